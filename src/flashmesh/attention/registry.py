@@ -1,0 +1,135 @@
+"""The one registry of implementations, automatic selection, and `explain`.
+
+Each implementation is a module with two functions:
+
+    unsupported_reason(spec, platform, *, automatic=False) -> str | None
+    attention(inputs, spec) -> (out [B, T, N, Dv], lse [B, N, T])
+
+`unsupported_reason` says, early and in words, why a call cannot run (None = it can); with
+`automatic=True` an implementation may also decline calls it runs poorly (the reference
+declines huge logits). Naming an implementation runs exactly that one or raises
+`NotImplementedError` with its reason; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+
+import jax
+
+from flashmesh.attention.spec import AttentionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    name: str
+    module_name: str
+    description: str
+
+    @property
+    def module(self) -> ModuleType:
+        return importlib.import_module(self.module_name)
+
+    def unsupported_reason(self, spec: AttentionSpec, platform: str, automatic: bool = False) -> str | None:
+        return self.module.unsupported_reason(spec, platform, automatic=automatic)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    impl.name: impl for impl in (
+        Implementation("cudnn", "flashmesh.attention.cudnn",
+                       "cuDNN fused attention through JAX (NVIDIA GPUs)"),
+        Implementation("chunked", "flashmesh.attention.chunked",
+                       "blockwise online softmax in JAX, linear memory, any device"),
+        Implementation("reference", "flashmesh.attention.reference",
+                       "einsum over the full logits matrix, every feature"),
+    )
+}
+
+# Automatic choice: the first implementation in this order that accepts the call.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "gpu": ("cudnn", "chunked", "reference"),
+    "cpu": ("reference", "chunked"),
+}
+DEFAULT_ORDER = ("chunked", "reference")
+
+
+def current_platform() -> str:
+    """'gpu', 'cpu' or 'tpu': the platform of JAX's default backend."""
+    backend = jax.default_backend()
+    return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+
+
+def get(name: str) -> Implementation:
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={name!r} must be one of {sorted(IMPLEMENTATIONS)} or None")
+    return IMPLEMENTATIONS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    reason: str | None  # why it cannot run when named; None = it can
+    declines: str | None = None  # why automatic selection passes over it although it can run
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """For one call: each implementation, whether it can run the call and why not."""
+
+    platform: str
+    spec: AttentionSpec
+    rows: tuple[Row, ...]
+    chosen: str | None
+
+    def available(self) -> list[str]:
+        return [row.name for row in self.rows if row.reason is None]
+
+    def reason(self, name: str) -> str | None:
+        return next(row.reason for row in self.rows if row.name == name)
+
+    def __str__(self) -> str:
+        head = f"runs {self.chosen!r}" if self.chosen else "no implementation can run this call"
+        lines = [f"flashmesh.attention on {self.platform}: {head}"]
+        for row in self.rows:
+            if row.reason is not None:
+                mark, text = "-", row.reason
+            elif row.name == self.chosen:
+                mark, text = "*", "ok (chosen)"
+            else:
+                mark, text = "+", "ok" + (f"; not chosen automatically: {row.declines}" if row.declines else "")
+            lines.append(f"  {mark} {row.name:10s} {text}")
+        return "\n".join(lines)
+
+
+def explain_spec(spec: AttentionSpec, platform: str | None = None) -> Explanation:
+    platform = platform or current_platform()
+    order = AUTO_ORDER.get(platform, DEFAULT_ORDER)
+    rows = []
+    for name, impl in IMPLEMENTATIONS.items():
+        reason = impl.unsupported_reason(spec, platform)
+        declines = None
+        if reason is None:
+            declines = impl.unsupported_reason(spec, platform, True) if name in order else (
+                f"not in the automatic order for {platform}")
+        rows.append(Row(name, reason, declines))
+    by_name = {row.name: row for row in rows}
+    chosen = next((n for n in order if by_name[n].reason is None and by_name[n].declines is None), None)
+    return Explanation(platform, spec, tuple(rows), chosen)
+
+
+def select(spec: AttentionSpec, implementation: str | None) -> Implementation:
+    """The implementation that runs this call, or NotImplementedError with every reason."""
+    platform = current_platform()
+    if implementation is not None:
+        impl = get(implementation)
+        reason = impl.unsupported_reason(spec, platform)
+        if reason is not None:
+            raise NotImplementedError(f"implementation={implementation!r} cannot run this call on "
+                                      f"{platform}: {reason}")
+        return impl
+    explanation = explain_spec(spec, platform)
+    if explanation.chosen is None:
+        raise NotImplementedError(str(explanation))
+    return IMPLEMENTATIONS[explanation.chosen]
