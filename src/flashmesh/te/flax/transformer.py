@@ -1,0 +1,151 @@
+"""TransformerEngine's `transformer_engine.jax.flax.transformer.DotProductAttention`.
+
+Same fields and call signature; the module owns what a Flax module must (the learnable sink
+parameter, the dropout rng stream) and hands everything else to `flashmesh.te.attention`'s
+`fused_attn` mapping, which makes one `flashmesh.attention` call. There is no separate
+"unfused" path: flashmesh picks its fastest implementation for the call, and every
+configuration runs somewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from flashmesh.te.attention import (AttnBiasType, AttnSoftmaxType, CPStrategy, QKVLayout,
+                                    SequenceDescriptor, call_native, canonicalize,
+                                    check_no_context_parallel, check_no_score_mod)
+
+# TransformerEngine's spellings of the context-parallel strategy field.
+_CP_STRATEGIES = {"DEFAULT": CPStrategy.DEFAULT, "ALL_GATHER": CPStrategy.ALL_GATHER,
+                  "ALLGATHER": CPStrategy.ALL_GATHER, "RING": CPStrategy.RING}
+
+
+def _heads(layout: QKVLayout, query, key) -> tuple[int, int, int]:
+    """(N query heads, K key/value heads, Dqk) of the call's arrays in any layout."""
+    kv = query if layout.is_qkvpacked() else key
+    return query.shape[-2], kv.shape[-2], query.shape[-1]
+
+
+class DotProductAttention(nn.Module):
+    """Scaled dot-product attention over already-projected heads (TransformerEngine's fields).
+
+    Attributes:
+      head_dim: per-head dimension of queries and keys (Dqk; values may differ, MLA).
+      num_attention_heads: query heads N.
+      num_gqa_groups: key/value heads K (None = N; 1 = MQA).
+      attention_dropout: dropout rate on the attention probabilities.
+      attn_mask_type: 'no_mask', 'padding', 'causal', 'padding_causal',
+        'causal_bottom_right', 'padding_causal_bottom_right' (or an AttnMaskType).
+      attn_bias_type: None (post-scale when a bias is passed), 'no_bias', 'pre_scale_bias',
+        'post_scale_bias'.
+      dtype: deprecated in TransformerEngine; if set it must equal the inputs' dtype.
+      dropout_rng_name: the rng stream dropout draws from (`apply(..., rngs={name: key})`).
+      float32_logits: accepted for compatibility; logits are always computed in float32.
+      qkv_layout: 'bshd_bshd_bshd', 'bs3hd' (query is [b, s, 3, h, d]), 'bshd_bs2hd' (key is
+        [b, s, 2, h, d]) or the packed-sequence 't3hd', 'thd_t2hd', 'thd_thd_thd'.
+      scale_factor: logit scale, default 1 / sqrt(head dim of the queries).
+      transpose_batch_sequence: inputs are [s, b, ...] instead of [b, s, ...].
+      window_size: (left, right) sliding window, -1 unbounded, None = none.
+      max_segments_per_seq: bound on packed sequences per THD row.
+      context_parallel_*: must keep their defaults (NotImplementedError otherwise).
+      context_checkpoint_name: remat name of the output.
+      softmax_type: 'vanilla', 'off_by_one' or 'learnable' (creates the float32 parameter
+        "softmax_offset" [1, N, 1, 1], initialised to 0, which gets a gradient).
+      score_mod, score_mod_bprop: not supported (NotImplementedError).
+
+    Call: `module(query, key, value, sequence_descriptor=None, bias=None, *, deterministic=False)`
+    returns [b, s, N, Dv] (or [s, b, N, Dv]) in the query dtype.
+    """
+
+    head_dim: int
+    num_attention_heads: int
+    num_gqa_groups: int | None = None
+    attention_dropout: float = 0.0
+    attn_mask_type: Any = "causal"
+    attn_bias_type: Any = None
+    dtype: Any = None
+    dropout_rng_name: str = "dropout"
+    float32_logits: bool = False
+    qkv_layout: Any = "bshd_bshd_bshd"
+    scale_factor: float | None = None
+    transpose_batch_sequence: bool = False
+    window_size: tuple[int, int] | None = None
+    max_segments_per_seq: int = 1
+    context_parallel_causal_load_balanced: bool = False
+    context_parallel_axis: str = ""
+    context_parallel_strategy: Any = "DEFAULT"
+    context_checkpoint_name: str = "context"
+    softmax_type: Any = "vanilla"
+    score_mod: Callable | None = None
+    score_mod_bprop: Callable | None = None
+
+    def _check_shapes(self, layout: QKVLayout, query, key) -> None:
+        N, K, Dqk = _heads(layout, query, key)
+        if N != self.num_attention_heads:
+            raise ValueError(f"query has {N} heads but num_attention_heads={self.num_attention_heads}")
+        if self.num_gqa_groups is not None and K != self.num_gqa_groups:
+            raise ValueError(f"key/value have {K} heads but num_gqa_groups={self.num_gqa_groups}")
+        if Dqk != self.head_dim:
+            raise ValueError(f"query head dim is {Dqk} but head_dim={self.head_dim}")
+        if self.dtype is not None and jnp.dtype(self.dtype) != query.dtype:
+            raise ValueError(f"dtype={jnp.dtype(self.dtype).name} (deprecated) must match the "
+                             f"inputs' dtype {query.dtype}")
+
+    def _cp_strategy(self) -> CPStrategy:
+        strategy = self.context_parallel_strategy
+        if isinstance(strategy, str):
+            if strategy.upper() not in _CP_STRATEGIES:
+                raise ValueError(f"context_parallel_strategy={strategy!r} must be one of "
+                                 f"{sorted(_CP_STRATEGIES)} (any case)")
+            return _CP_STRATEGIES[strategy.upper()]
+        return canonicalize(CPStrategy, strategy, "context_parallel_strategy")
+
+    @nn.compact
+    def __call__(self, query: jax.Array, key: jax.Array | None = None,
+                 value: jax.Array | None = None,
+                 sequence_descriptor: SequenceDescriptor | None = None,
+                 bias: jax.Array | None = None, *, deterministic: bool = False,
+                 mask: SequenceDescriptor | None = None, score_mod_tensors=None,
+                 score_mod_bprop_tensors=None) -> jax.Array:
+        """query/key/value as `qkv_layout` says (the packed operand in `query` or `key`, the
+        others ignored); `mask` is TransformerEngine's deprecated name for the descriptor."""
+        check_no_context_parallel(self._cp_strategy(), self.context_parallel_causal_load_balanced,
+                                  self.context_parallel_axis)
+        check_no_score_mod(score_mod=self.score_mod, score_mod_bprop=self.score_mod_bprop,
+                            score_mod_tensors=score_mod_tensors,
+                            score_mod_bprop_tensors=score_mod_bprop_tensors)
+        if mask is not None:
+            if sequence_descriptor is not None:
+                raise ValueError("sequence_descriptor and mask cannot both be given")
+            sequence_descriptor = mask
+        layout = canonicalize(QKVLayout, self.qkv_layout, "qkv_layout")
+        self._check_shapes(layout, query, key)
+        if self.attn_bias_type is None:
+            bias_type = AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS
+        else:
+            bias_type = canonicalize(AttnBiasType, self.attn_bias_type, "attn_bias_type")
+        if bias is not None:
+            bias = bias.astype(query.dtype)
+        softmax = canonicalize(AttnSoftmaxType, self.softmax_type, "softmax_type")
+
+        softmax_offset = None
+        if softmax == AttnSoftmaxType.LEARNABLE_SOFTMAX:
+            softmax_offset = self.param("softmax_offset", nn.initializers.zeros,
+                                        (1, self.num_attention_heads, 1, 1), jnp.float32)
+        seed = None
+        if not deterministic and self.attention_dropout > 0.0:
+            seed = self.make_rng(self.dropout_rng_name)
+        scale = self.scale_factor if self.scale_factor is not None else query.shape[-1] ** -0.5
+
+        qkv = (query, key, value)[:layout.num_arrays]
+        return call_native(
+            qkv, bias, sequence_descriptor, seed, sequence_major=self.transpose_batch_sequence,
+            context_checkpoint_name=self.context_checkpoint_name, attn_bias_type=bias_type,
+            attn_mask_type=self.attn_mask_type, qkv_layout=layout, softmax_type=softmax,
+            scaling_factor=scale, dropout_probability=self.attention_dropout,
+            is_training=not deterministic, max_segments_per_seq=self.max_segments_per_seq,
+            window_size=self.window_size, softmax_offset=softmax_offset)
