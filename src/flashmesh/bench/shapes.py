@@ -1,0 +1,289 @@
+"""What `flashmesh bench` measures: attention shapes, groups of them, and named presets.
+
+A `Shape` is one attention problem (letters as jax.nn's legend: B batch, T query length,
+S key length, N query heads, K key/value heads, Dqk and Dv head dims). A `Group` is a set of
+shapes measured with the same implementations and modes, optionally a sweep along one axis
+(plotted as latency against that axis). A `Preset` is a documented list of groups.
+
+The presets are data: `codelab` reproduces the steps of the attention codelab
+(`reference/002`), `anchors` the peer measurements of `anchors/RESULTS.md`, `small` is the
+codelab at sizes a CPU runs in about a minute (the default without a GPU), `quick` is tiny
+(tests, smoke checks). Sizes that only make sense on a GPU are chosen by `platform`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+MASKS = ("none", "causal", "causal_bottom_right")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One attention problem.
+
+    mask: "none", "causal" (top-left diagonal: query i sees keys <= i) or
+      "causal_bottom_right" (the diagonal ends at the last query and key; differs when T != S).
+    window: (left, right) or None; query at position p sees keys in [p - left, p + right],
+      -1 unbounded. With a causal mask right is 0.
+    segments: packed documents of every batch row (self-attention only, T == S): a tuple of
+      run lengths in order, positive = a document, negative = that many padding tokens; the
+      rest of the row after the last run is padding. Tokens attend only inside their
+      document; causal and window masks use positions counted from the document's start.
+    """
+
+    name: str
+    B: int
+    T: int
+    N: int
+    K: int
+    Dqk: int
+    S: int | None = None
+    Dv: int | None = None
+    mask: str = "none"
+    window: tuple[int, int] | None = None
+    segments: tuple[int, ...] | None = None
+    note: str = ""
+
+    def __post_init__(self):
+        if self.S is None:
+            object.__setattr__(self, "S", self.T)
+        if self.Dv is None:
+            object.__setattr__(self, "Dv", self.Dqk)
+        if self.mask not in MASKS:
+            raise ValueError(f"mask={self.mask!r} must be one of {MASKS}")
+        if min(self.B, self.T, self.S, self.N, self.K, self.Dqk, self.Dv) <= 0:
+            raise ValueError(f"shape {self.name!r} has a non-positive dimension")
+        if self.N % self.K:
+            raise ValueError(f"N={self.N} must be a multiple of K={self.K} in shape {self.name!r}")
+        if self.window is not None:
+            left, right = self.window
+            if left < -1 or right < -1 or (self.causal and right > 0):
+                raise ValueError(f"window={self.window} of shape {self.name!r} is invalid")
+        if self.segments is not None:
+            if self.T != self.S:
+                raise ValueError(f"segments need T == S, got T={self.T}, S={self.S} in {self.name!r}")
+            if sum(abs(n) for n in self.segments) > self.T or 0 in self.segments:
+                raise ValueError(f"segments={self.segments} must be non-zero runs fitting T={self.T}")
+
+    # -- derived --------------------------------------------------------------------------------
+    @property
+    def causal(self) -> bool:
+        return self.mask != "none"
+
+    @property
+    def bottom_right(self) -> bool:
+        return self.mask == "causal_bottom_right"
+
+    @property
+    def effective_window(self) -> tuple[int, int]:
+        """(left, right) with causal folded in as right = 0; (-1, -1) = everything visible."""
+        left, right = self.window if self.window is not None else (-1, -1)
+        return (left, 0) if self.causal else (left, right)
+
+    @property
+    def num_documents(self) -> int:
+        return sum(1 for n in self.segments if n > 0) if self.segments else 0
+
+    @property
+    def logits_per_row(self) -> int:
+        """B * N * T * S: the size of the full logits matrix naive attention materialises."""
+        return self.B * self.N * self.T * self.S
+
+    def describe(self) -> str:
+        parts = [f"B={self.B}", f"T={self.T}"] + ([f"S={self.S}"] if self.S != self.T else [])
+        parts += [f"N={self.N}", f"K={self.K}"]
+        parts += [f"D={self.Dqk}"] if self.Dqk == self.Dv else [f"Dqk={self.Dqk}", f"Dv={self.Dv}"]
+        parts.append({"none": "full", "causal": "causal",
+                      "causal_bottom_right": "causal (bottom-right)"}[self.mask])
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.segments:
+            parts.append(f"{self.num_documents} docs")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def segment_ids_and_positions(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+    """For a shape with segments: per-token document ids [T] (1-based, 0 = padding) and
+    positions [T] (offset from the document's start, 0 on padding)."""
+    ids = np.zeros(shape.T, np.int32)
+    pos = np.zeros(shape.T, np.int32)
+    start, doc = 0, 0
+    for run in shape.segments or ():
+        if run > 0:
+            doc += 1
+            ids[start:start + run] = doc
+            pos[start:start + run] = np.arange(run)
+        start += abs(run)
+    return ids, pos
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Shapes measured alike. `sweep` names the axis that varies ("T" or "B") for plots;
+    `implementations` are labels "name" or "name@dtype" (see implementations.py)."""
+
+    name: str
+    title: str
+    shapes: tuple[Shape, ...]
+    implementations: tuple[str, ...]
+    modes: tuple[str, ...] = ("fwd", "fwdbwd")
+    sweep: str | None = None
+    description: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    groups: tuple[Group, ...]
+    causal_check: Shape | None = None  # the codelab's "what did the mask change" check
+
+    def shapes(self) -> list[Shape]:
+        return [s for g in self.groups for s in g.shapes]
+
+
+# -- the codelab (reference/002) -------------------------------------------------------------
+CODELAB_IMPLS = ("naive@f32", "xla@f32", "xla@bf16", "cudnn@bf16", "flashmesh@bf16", "flashmesh@f32")
+PEERS = ("fa3", "tokamax:mosaic", "tokamax:triton")
+
+
+def _codelab_shape(name, B=4, T=128, N=8, K=8, H=64, mask="none"):
+    return Shape(name, B=B, T=T, N=N, K=K, Dqk=H, mask=mask)
+
+
+def codelab(platform: str, *, seq_lens=None, batches=(1, 2, 4, 8, 16), module_lens=None) -> Preset:
+    on_gpu = platform == "gpu"
+    if seq_lens is None:  # the codelab's 64..1024; a GPU goes on to where naive runs out of memory
+        seq_lens = (64, 128, 256, 512, 1024) + ((2048, 4096, 8192, 16384, 32768, 65536) if on_gpu else ())
+    module_lens = module_lens or (128, 256, 512, 1024, 2048)
+    heads = [_codelab_shape(f"codelab_{kind}_T64", B=2, T=64, K=K) for kind, K in (("mha", 8), ("gqa", 2), ("mqa", 1))]
+    if on_gpu:  # the codelab's size is launch-bound; a longer one shows what sharing KV heads saves
+        heads += [_codelab_shape(f"codelab_{kind}_T4096", B=2, T=4096, K=K)
+                  for kind, K in (("mha", 8), ("gqa", 2), ("mqa", 1))]
+    groups = (
+        Group("default", "Default shape (codelab steps 4-6, 8)", (_codelab_shape("codelab_default"),),
+              CODELAB_IMPLS + PEERS,
+              description="B=4, T=128, N=8, H=64 without a mask: naive float32 attention, "
+                          "jax.nn.dot_product_attention (xla float32 and bfloat16, cudnn bfloat16), flashmesh."),
+        Group("causal", "Causal mask (codelab step 7)", (_codelab_shape("codelab_causal", mask="causal"),),
+              CODELAB_IMPLS + PEERS, description="The default shape with a causal mask."),
+        Group("seq_sweep", "Sequence-length sweep (codelab step 8)",
+              tuple(_codelab_shape(f"codelab_T{t}", T=t) for t in seq_lens),
+              CODELAB_IMPLS + PEERS, modes=("fwd",), sweep="T",
+              description="B=4, N=8, H=64, no mask. Naive attention materialises the [B, N, T, S] "
+                          "logits (O(T^2) memory) and runs out of memory on long sequences; fused "
+                          "kernels keep O(T)."),
+        Group("batch_sweep", "Batch-size sweep (codelab step 8)",
+              tuple(_codelab_shape(f"codelab_B{b}_T256", B=b, T=256) for b in batches),
+              CODELAB_IMPLS + PEERS, modes=("fwd",), sweep="B",
+              description="T=256, N=8, H=64, no mask; larger batches amortise launch overhead."),
+        Group("heads", "MHA, GQA and MQA (codelab step 9)", tuple(heads), CODELAB_IMPLS + PEERS,
+              description="8 query heads against 8, 2 and 1 key/value heads."),
+        Group("module_sweep", "Causal module sweep (codelab step 10)",
+              tuple(_codelab_shape(f"codelab_causal_T{t}", T=t, mask="causal") for t in module_lens),
+              ("naive@bf16", "xla@bf16", "cudnn@bf16", "module@bf16", "flashmesh@bf16") + PEERS,
+              modes=("fwd", "fwdbwd") if on_gpu else ("fwd",), sweep="T",
+              description="Causal attention, B=4, N=8, H=64: flashmesh's Flax "
+                          "DotProductAttention (the module the codelab benchmarks) against "
+                          "jax.nn.dot_product_attention and the flashmesh function."),
+    )
+    return Preset("codelab", "The attention codelab's comparisons in order (reference/002).",
+                  groups, causal_check=_codelab_shape("codelab_causal_check"))
+
+
+def small(platform: str) -> Preset:
+    """The codelab's steps at sizes that run on a CPU in about a minute: float32 rows (a CPU
+    emulates bfloat16 slowly), one bfloat16 row where the codelab compares dtypes."""
+    base = {g.name: g for g in codelab(platform, seq_lens=(64, 128, 256, 512), batches=(1, 2, 4, 8),
+                                       module_lens=(128, 256, 512)).groups}
+    f32 = ("naive@f32", "xla@f32", "flashmesh@f32")
+    impls = {"default": ("naive@f32", "xla@f32", "xla@bf16", "cudnn@bf16", "flashmesh@f32"),
+             "causal": f32, "seq_sweep": f32 + ("xla@bf16",), "batch_sweep": f32, "heads": f32,
+             "module_sweep": ("naive@f32", "xla@f32", "module@f32", "flashmesh@f32")}
+    modes = {"default": ("fwd", "fwdbwd")}
+    groups = tuple(dataclasses.replace(base[name], implementations=labels, modes=modes.get(name, ("fwd",)))
+                   for name, labels in impls.items())
+    return Preset("small", "The codelab's steps at CPU sizes (the default without a GPU).", groups,
+                  causal_check=_codelab_shape("codelab_causal_check"))
+
+
+# -- the anchors (anchors/RESULTS.md) ---------------------------------------------------------
+ANCHOR_SHAPES = (
+    Shape("seed000_gqa_swa", B=2, T=4096, N=128, K=8, Dqk=128, mask="causal", window=(128, 0),
+          note="tutorial 000: GQA + sliding window"),
+    Shape("seed000_mla", B=2, T=4096, N=128, K=8, Dqk=128, Dv=64, mask="causal",
+          note="tutorial 000: MLA head dims"),
+    Shape("full_4k_h16_d128", B=4, T=4096, N=16, K=16, Dqk=128),
+    Shape("causal_8k_h32_d128", B=1, T=8192, N=32, K=32, Dqk=128, mask="causal"),
+    Shape("causal_8k_h32_d64", B=1, T=8192, N=32, K=32, Dqk=64, mask="causal"),
+    Shape("gqa_causal_16k", B=1, T=16384, N=64, K=8, Dqk=128, mask="causal"),
+    Shape("codelab_small", B=4, T=128, N=8, K=8, Dqk=64),
+    Shape("codelab_te_2048", B=4, T=2048, N=8, K=8, Dqk=64, mask="causal"),
+)
+WORKLOAD_SHAPES = (
+    Shape("cp_tutorial_packed_64k", B=2, T=65536, N=128, K=8, Dqk=128, mask="causal", window=(8192, 0),
+          segments=(12288, -4096) * 4,
+          note="tutorial 003 on one GPU: 4 slots of 16384 holding 12288 tokens each"),
+)
+ANCHOR_IMPLS = ("naive", "xla", "cudnn", "flashmesh", "flashmesh:cudnn", "flashmesh:chunked") + PEERS
+
+
+def anchors(platform: str) -> Preset:
+    groups = (
+        Group("anchors", "Anchor shapes (anchors/RESULTS.md)", ANCHOR_SHAPES, ANCHOR_IMPLS,
+              description="The shapes the peers were measured on, bfloat16, forward and forward+backward."),
+        Group("workloads", "Whole workloads of the reference documents", WORKLOAD_SHAPES, ANCHOR_IMPLS,
+              description="The context-parallel tutorial's single-GPU attention: packed documents "
+                          "with padding, GQA 128:8, causal sliding window."),
+    )
+    return Preset("anchors", "The anchor shapes of anchors/RESULTS.md against every peer.", groups)
+
+
+# -- quick (tests, smoke runs) ------------------------------------------------------------------
+QUICK_IMPLS = ("naive", "xla", "cudnn", "flashmesh", "flashmesh:reference", "flashmesh:chunked",
+               "flashmesh:cudnn") + PEERS
+
+
+def quick(platform: str) -> Preset:
+    mk = lambda name, **kw: Shape(name, **({"B": 1, "T": 64, "N": 4, "K": 2, "Dqk": 32} | kw))
+    groups = (
+        Group("masks", "Masks on tiny shapes",
+              (mk("quick_full"), mk("quick_causal", mask="causal"),
+               mk("quick_window", mask="causal", window=(16, 0)),
+               mk("quick_causal_br_T48_S64", T=48, S=64, mask="causal_bottom_right"),
+               mk("quick_packed", mask="causal", segments=(20, -4, 30))),
+              QUICK_IMPLS),
+        Group("quick_seq_sweep", "Tiny sequence sweep", tuple(mk(f"quick_T{t}", T=t) for t in (32, 64, 128)),
+              QUICK_IMPLS, modes=("fwd",), sweep="T"),
+    )
+    return Preset("quick", "Tiny shapes for smoke tests (seconds on a CPU).", groups,
+                  causal_check=mk("quick_causal_check"))
+
+
+PRESETS = {"codelab": codelab, "anchors": anchors, "small": small, "quick": quick}
+
+
+def preset(name: str, platform: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} must be one of {sorted(PRESETS)}")
+    return PRESETS[name](platform)
+
+
+def default_preset(platform: str) -> str:
+    """What `flashmesh bench` runs without --preset: the anchors on a GPU, `small` elsewhere."""
+    return "anchors" if platform == "gpu" else "small"
+
+
+def all_shapes(platform: str) -> dict[str, Shape]:
+    """Every named shape of every preset (for --shapes)."""
+    table: dict[str, Shape] = {}
+    for name in PRESETS:
+        for s in preset(name, platform).shapes():
+            table.setdefault(s.name, s)
+    return table

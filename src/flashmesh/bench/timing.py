@@ -1,0 +1,108 @@
+"""Timing any JAX callable the way `flashmesh bench` does.
+
+`time_fn(fn, *args)`: compile once (ahead of time, so compilation and autotuning are never
+timed), run `warmup` calls, then time `iters` calls one at a time, each ended by
+`jax.block_until_ready` (JAX dispatches asynchronously; without the wait a loop times the
+dispatch, not the work), and report the median (robust to the odd slow call).
+
+Memory: `memory_bytes` is XLA's buffer plan of the compiled call (arguments + outputs +
+temporaries - aliased), exact for what the call allocates and comparable between rows.
+`device_peak_bytes` is the device's high-water mark from `device.memory_stats()` (GPUs), a
+process-wide maximum that JAX cannot reset: it bounds the row's peak from above and equals
+it when the row set a new maximum. CPUs report no memory stats (None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    mean_ms: float
+    min_ms: float
+    iters: int
+    compile_s: float | None
+    memory_bytes: int | None
+    device_peak_bytes: int | None
+    times_ms: tuple[float, ...]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["times_ms"] = list(self.times_ms)
+        return d
+
+
+def compile_fn(fn: Callable, *args) -> tuple[jax.stages.Compiled, float]:
+    """(compiled, seconds): `fn` jitted and compiled for these arguments."""
+    if isinstance(fn, jax.stages.Compiled):
+        return fn, 0.0
+    t0 = time.perf_counter()
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def memory_bytes(compiled: jax.stages.Compiled) -> int | None:
+    """Bytes the compiled call needs on the device: arguments + outputs + temporaries - aliased."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # some backends do not implement it
+        return None
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def device_memory_stats(device: jax.Device | None = None) -> dict[str, Any] | None:
+    """`device.memory_stats()` (bytes_in_use, peak_bytes_in_use, bytes_limit, ...) or None."""
+    device = device or jax.devices()[0]
+    try:
+        return device.memory_stats()
+    except Exception:
+        return None
+
+
+def device_peak_bytes(device: jax.Device | None = None) -> int | None:
+    stats = device_memory_stats(device)
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return int(stats["peak_bytes_in_use"])
+
+
+def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20,
+            max_seconds: float | None = None) -> Timing:
+    """Time `fn(*args)`: jit + compile once, `warmup` calls, then the median of `iters` calls.
+
+    fn: any JAX-traceable callable, a jitted function, or an already compiled one.
+    max_seconds: if `iters` calls would take longer than this, time fewer (at least 3).
+    Returns a `Timing` (milliseconds, compile seconds, memory; see the module docstring).
+
+    Example:
+      >>> t = time_fn(lambda x: x @ x, jnp.ones((512, 512)), iters=10)
+      >>> t.median_ms
+    """
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"warmup={warmup} must be >= 0 and iters={iters} >= 1")
+    compiled, compile_s = compile_fn(fn, *args)
+    for _ in range(max(warmup, 1)):  # at least one: first calls pay one-time costs
+        jax.block_until_ready(compiled(*args))
+    times = []
+    n = iters
+    while len(times) < n:
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+        if len(times) == 1 and max_seconds is not None:
+            n = min(iters, max(3, int(max_seconds * 1e3 / max(times[0], 1e-6))))
+    return Timing(median_ms=float(statistics.median(times)), mean_ms=float(statistics.fmean(times)),
+                  min_ms=float(min(times)), iters=len(times), compile_s=compile_s,
+                  memory_bytes=memory_bytes(compiled), device_peak_bytes=device_peak_bytes(),
+                  times_ms=tuple(times))

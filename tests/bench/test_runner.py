@@ -1,0 +1,100 @@
+"""Rows: numerics are checked before timing (also on a slice of the reference), failures are
+rows with reasons, and a wrong implementation is caught, never timed."""
+
+import dataclasses
+
+import pytest
+
+from flashmesh.bench import checks, implementations, runner
+from flashmesh.bench.implementations import Candidate
+from flashmesh.bench.shapes import Group, Preset, Shape
+
+CFG = runner.RunConfig(dtype="f32", warmup=0, iters=2, progress=False)
+GQA_BR = Shape("gqa_br", B=2, T=48, S=64, N=4, K=2, Dqk=16, mask="causal_bottom_right")
+PACKED = Shape("packed", B=1, T=40, N=2, K=1, Dqk=16, mask="causal", window=(6, 0), segments=(15, -5, 17))
+
+
+def measure(shape, label, mode, budget=None):
+    config = dataclasses.replace(CFG, reference_budget_bytes=budget)
+    state = runner._ShapeState(shape, config, budget or 2**30)
+    return runner.measure("g", shape, Candidate.parse(label), mode, state, config, runner.platform())
+
+
+@pytest.mark.parametrize("shape", [GQA_BR, PACKED], ids=lambda s: s.name)
+def test_rows_check_then_time(shape):
+    r = measure(shape, "naive", "fwdbwd")
+    assert r.status == runner.OK, r.reason
+    assert r.checked_against == "reference (float32)"
+    assert r.error < 1e-5 and r.ms > 0 and r.tflops > 0 and r.iters == 2
+
+
+@pytest.mark.parametrize("budget, expect", [
+    (2 * 48 * 64 * 32, "heads 2/4"),      # one batch row, one kv head's group of 2 query heads
+    (18 * 64 * 32, "query rows 18/48"),  # one head, 9 first + 9 last query rows
+])
+def test_reference_on_a_slice(budget, expect):
+    sl = checks.choose_slice(GQA_BR, "fwdbwd", budget)
+    assert expect in sl.describe(GQA_BR)
+    r = measure(GQA_BR, "naive", "fwdbwd", budget=budget)
+    assert r.status == runner.OK and expect in r.checked_against
+    assert r.error < 1e-5
+
+
+def test_slice_rows_with_segments():
+    budget = 20 * 40 * 32
+    r = measure(PACKED, "naive", "fwdbwd", budget=budget)
+    assert r.status == runner.OK and "query rows 20/40" in r.checked_against, r.reason
+    assert r.error < 1e-5
+
+
+def test_no_reference_means_unchecked():
+    r = measure(GQA_BR, "naive", "fwd", budget=1)
+    assert r.status == runner.UNCHECKED and "unchecked" in r.reason and r.ms is not None
+
+
+def test_wrong_results_are_caught_not_timed(monkeypatch):
+    # "naive" that forgets the mask: right on full attention, wrong on causal shapes.
+    def build(shape, dtype, platform):
+        return implementations._naive(dataclasses.replace(shape, mask="none", window=None), dtype, platform)
+
+    broken = implementations.Implementation("broken", "baseline", "ignores the mask", build)
+    monkeypatch.setitem(implementations.IMPLEMENTATIONS, "broken", broken)
+    for budget in (None, 18 * 64 * 32):  # also when only a slice of the reference fits
+        r = measure(GQA_BR, "broken", "fwd", budget=budget)
+        assert r.status == runner.WRONG and r.ms is None and "tolerance" in r.reason
+
+
+def test_failures_are_rows_with_reasons():
+    r = measure(GQA_BR, "xla", "fwd")
+    assert r.status == runner.UNSUPPORTED and "bottom-right" in r.reason
+    r = measure(PACKED, "xla", "fwd")
+    assert r.status == runner.UNSUPPORTED and "segments" in r.reason
+    if runner.platform() != "gpu":
+        r = measure(GQA_BR, "cudnn@bf16", "fwd")
+        assert r.status == runner.UNSUPPORTED and "GPU" in r.reason
+    r = measure(GQA_BR, "fa3", "fwd")
+    assert r.status in (runner.NOT_INSTALLED, runner.UNSUPPORTED) and r.reason
+
+
+def test_out_of_memory_is_a_row_and_larger_shapes_are_skipped(monkeypatch):
+    def build(shape, dtype, platform):
+        def f(q, k, v, seg=None):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
+        return f
+
+    monkeypatch.setitem(implementations.IMPLEMENTATIONS, "hungry",
+                        implementations.Implementation("hungry", "baseline", "always OOM", build))
+    shapes = tuple(Shape(f"T{t}", B=1, T=t, N=1, K=1, Dqk=8) for t in (8, 16))
+    preset = Preset("p", "", (Group("g", "g", shapes, ("hungry",), modes=("fwd",), sweep="T"),))
+    rows = runner.run(preset, CFG)
+    assert [r.status for r in rows] == [runner.OOM, runner.SKIPPED]
+    assert "T8" in rows[1].reason
+
+
+def test_candidate_labels():
+    assert Candidate.parse("xla@bf16") == Candidate("xla", "bf16")
+    assert Candidate.parse("flashmesh:reference").label == "flashmesh:reference"
+    with pytest.raises(ValueError, match="implementation 'nope'"):
+        Candidate.parse("nope")
+    with pytest.raises(ValueError, match="dtype 'f8'"):
+        Candidate.parse("xla@f8")
