@@ -1,0 +1,178 @@
+"""The `chunked` backend: blockwise online softmax in pure JAX, with its own backward pass.
+
+Algorithm: FlashAttention-2 (Dao, 2023), written with XLA operations instead of a kernel.
+Queries and keys are cut into tiles of (block_q, block_kv). The forward pass keeps, per query
+row, a running maximum m, a running denominator l and an unnormalised output acc, and folds in
+one key tile at a time:
+
+    m' = max(m, rowmax(s)),  l' = e^(m - m') l + rowsum(e^(s - m')),  acc' = e^(m - m') acc + e^(s - m') v
+
+and ends with out = acc / l, lse = m + log(l). The residuals are q, k, v, (bias, sink), out and
+lse; the backward pass (`chunked_vjp.py`) recomputes each tile's probabilities p = e^(s - lse)
+from them. No [T, S] matrix ever exists (except the user's own bias and its gradient), so
+memory grows linearly with the sequence.
+
+Schedule (`chunked_tiles.py`). A step pairs a set of distinct query blocks with one key block
+each and runs as one batched matmul; only the loop over steps is sequential. `masks.block_map`
+classifies tiles as EMPTY (never computed), FULL (no mask arithmetic) or PARTIAL (masked). A
+static map (no segments, implicit positions) is turned at trace time into tables of exactly the
+non-empty tiles, so a causal mask costs half of a full one and a window of width w costs about
+w / block_kv + 1 tiles per query block, whatever T is; a dynamic map (segments, explicit
+positions) bounds each query block's key range and selects the mask per step with `lax.cond`.
+
+Sink terms (off-by-one, learnable) start the running state at m = sink logit, l = 1; dropout
+asks `masks.dropout_keep` for each tile, so it drops exactly the elements the reference drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from flashmesh.attention import chunked_vjp
+from flashmesh.attention.chunked_tiles import Step, Tiles
+from flashmesh.attention.registry import current_platform
+from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
+
+
+# --------------------------------------------------------------------------------------------
+# Block sizes
+# --------------------------------------------------------------------------------------------
+
+# Per platform: the tile edge for unbounded masks. GPUs want large batched matmuls and few
+# sequential steps; on CPU, smaller tiles keep the per-step working set in cache.
+BASE_BLOCK = {"gpu": 512, "tpu": 512, "cpu": 256}
+# Narrow windows: tiles about as large as the window's wider side, but no smaller than this.
+MIN_BAND_BLOCK = 64
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes: block_q query rows by block_kv key columns."""
+
+    block_q: int
+    block_kv: int
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def default_for(cls, spec: AttentionSpec, platform: str) -> "BlockSizes":
+        """Square tiles of BASE_BLOCK[platform] (256 elsewhere); for a window bounded on both
+        sides (e.g. the causal sliding window (128, 0)), tiles of the window's wider side
+        rounded up to a power of two (at least MIN_BAND_BLOCK): a query block then meets about
+        two key blocks, and smaller tiles waste less of them.
+        """
+        block = BASE_BLOCK.get(platform, 256)
+        left, right = spec.window
+        if left >= 0 and right >= 0:
+            block = min(block, max(MIN_BAND_BLOCK, _next_pow2(max(left, right))))
+        return cls(block, block).fitted(spec)
+
+    def fitted(self, spec: AttentionSpec) -> "BlockSizes":
+        """Never larger than the sequence: a 7-token query is one tile of 7 rows."""
+        return BlockSizes(min(self.block_q, spec.q_len), min(self.block_kv, spec.kv_len))
+
+
+def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = False) -> str | None:
+    """None: the chunked backend runs every call the spec can describe, on every platform."""
+    del spec, platform, automatic
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point and custom VJP
+# --------------------------------------------------------------------------------------------
+
+def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
+              block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+    """Returns (out [B, T, N, Dv] in q's dtype, lse [B, N, T] float32, float64 for float64 q).
+
+    `block_sizes` overrides `BlockSizes.default_for(spec, platform)` (tests use small tiles so
+    that several tiles and ragged tails are exercised).
+    """
+    if block_sizes is None:
+        block_sizes = BlockSizes.default_for(spec, current_platform())
+    blocks = block_sizes.fitted(spec)
+    aux = AttentionInputs(q=None, k=None, v=None, q_segment_ids=inputs.q_segment_ids,
+                          kv_segment_ids=inputs.kv_segment_ids, q_positions=inputs.q_positions,
+                          kv_positions=inputs.kv_positions, dropout_seed=inputs.dropout_seed)
+    return _chunked(spec, blocks, inputs.q, inputs.k, inputs.v, inputs.bias, inputs.sink, aux)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked(spec, blocks, q, k, v, bias, sink, aux):
+    return _forward(Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux))
+
+
+def _chunked_fwd(spec, blocks, q, k, v, bias, sink, aux):
+    out, lse = _forward(Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux))
+    return (out, lse), (q, k, v, bias, sink, aux, out, lse)
+
+
+def _chunked_bwd(spec, blocks, residuals, cotangents):
+    q, k, v, bias, sink, aux, out, lse = residuals
+    g_out, g_lse = cotangents
+    tiles = Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux)
+    dq, dk, dv, dbias, dsink = chunked_vjp.backward(tiles, out, lse, g_out, g_lse)
+    return dq, dk, dv, dbias, dsink, None  # aux: segment ids, positions, seed (integers)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _forward(tiles: Tiles) -> tuple[jax.Array, jax.Array]:
+    ct = tiles.ct
+    shape = tiles.row_shape
+    if tiles.sink_logit is None:  # vanilla: nothing seen yet
+        m0 = jnp.full(shape, -jnp.inf, ct)
+        l0 = jnp.zeros(shape, ct)
+    else:  # the sink is one more softmax term with logit c and no value: m = c, l = e^(c - c)
+        m0 = jnp.broadcast_to(tiles.sink_logit, shape)
+        l0 = jnp.ones(shape, ct)
+    acc0 = jnp.zeros(shape + (tiles.v_dim,), ct)
+
+    def step_fn(step, carry):
+        m, l, acc = (tiles.q_tiles(x, step) for x in carry)
+        m, l, acc = _forward_tile(tiles, step, m, l, acc)
+        return tuple(tiles.put_q_tiles(x, step, new) for x, new in zip(carry, (m, l, acc)))
+
+    m, l, acc = tiles.run(step_fn, (m0, l0, acc0))
+    empty = l == 0  # only possible for vanilla softmax: the row saw no key
+    safe_l = jnp.where(empty, 1.0, l)
+    lse = jnp.where(empty, EMPTY_ROW_LSE, _finite(m) + jnp.log(safe_l))
+    out = acc / safe_l[..., None]  # acc is exactly 0 on empty rows
+    return tiles.merge_q(out).astype(tiles.q_dtype), tiles.merge_rows(lse)
+
+
+def _finite(m: jax.Array) -> jax.Array:
+    """The running max with -inf (nothing seen yet) replaced by 0, so e^(s - m) never sees
+    -inf - -inf = NaN."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _forward_tile(tiles: Tiles, step: Step, m, l, acc):
+    """One online-softmax update of the active query blocks' (m, l, acc) by their key tiles."""
+    s, _ = tiles.logits(step)  # [B, K, A, G, bq, bk]
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    shift = _finite(m_new)
+    alpha = jnp.exp(m - shift)  # rescales what was accumulated under the old max (0 at first)
+    p = jnp.exp(s - shift[..., None])
+    l = alpha * l + jnp.sum(p, axis=-1)
+    # Dropout acts on the normalised probabilities, so it changes acc but not l.
+    p = tiles.dropout(tiles.dropout_keep(step), p)
+    kv = tiles.kv_sub(step)
+    pv = jnp.einsum(f"bkagqs,bk{kv}sh->bkagqh", p.astype(tiles.mm_dtype), tiles.kv_tiles(tiles.v, step),
+                    preferred_element_type=tiles.ct)
+    return m_new, l, alpha[..., None] * acc + pv
