@@ -32,7 +32,12 @@ MEMORY_TEXT = ("memory is XLA's buffer plan of the compiled call (arguments + ou
 
 # -- metadata ----------------------------------------------------------------------------------------
 def git_commit(path: str | os.PathLike | None = None) -> str:
-    """The commit of the checkout at `path` (default: the working directory), or 'unknown'."""
+    """The commit of the checkout at `path` (default: the working directory), or 'unknown'.
+
+    A copy of the tree without its .git (a remote benchmark machine) can name its commit in
+    FLASHMESH_COMMIT; it is recorded as given, for the report only."""
+    if os.environ.get("FLASHMESH_COMMIT"):
+        return os.environ["FLASHMESH_COMMIT"]
     for where in (path or os.getcwd(), Path(__file__).resolve().parent):
         try:
             out = subprocess.run(["git", "-C", str(where), "rev-parse", "--short=12", "HEAD"],
