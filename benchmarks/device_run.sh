@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine from a copy of this tree (no install, no network): the GPU-marked tests
+# and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
+#
+#   benchmarks/device_run.sh STEP[=SECONDS] ...
+#   STEP: tests | bench:<preset>[:<group,...>] | example
+#
+# Optional peers (FlashAttention-3's JAX binding, tokamax) come as wheels in .whl/ (see
+# benchmarks/README.md); without them their rows say "not installed".
+set -uo pipefail
+OUT="${OUT:-/tmp/flashmesh-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site:$PWD/.whl/stubs"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
+
+for step in "$@"; do
+  limit="${step#*=}"; [ "$limit" = "$step" ] && limit=540
+  step="${step%%=*}"
+  echo "=== $step (limit ${limit}s) $(date -u +%T)"
+  case "$step" in
+    tests)
+      timeout "$limit" python3 -m pytest -m gpu tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    bench:*)
+      IFS=: read -r _ preset groups <<<"$step"
+      timeout --signal=TERM "$limit" python3 -m flashmesh bench --preset "$preset" \
+        ${groups:+--groups "$groups"} --no-progress 2>&1 | tee -a "$OUT/bench.log" | tail -60 ;;
+    example)
+      (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null
+echo "=== done $(date -u +%T)"
