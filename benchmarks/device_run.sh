@@ -3,7 +3,7 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests | bench:<preset>[:<group,...>] | explore:<chunked|dispatch> | example
+#   STEP: tests | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch> | example
 #
 # Optional peers (FlashAttention-3's JAX binding, tokamax) come as wheels in .whl/ (see
 # benchmarks/README.md); without them their rows say "not installed".
@@ -25,14 +25,14 @@ for step in "$@"; do
   case "$step" in
     tests)
       # 4 workers share the GPU (compilation is the slow part); each takes a fifth of its memory.
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "$limit" python3 -m pytest -m gpu tests -n 4 -rfEs \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "$limit" python3 -m pytest -m gpu tests -n 4 -v -rfEs \
         -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
     explore:*)
       timeout "$limit" python3 benchmarks/explore_chunked.py "${step#explore:}" 2>&1 | tee -a "$OUT/explore.log" ;;
     bench:*)
-      IFS=: read -r _ preset groups <<<"$step"
+      IFS=: read -r _ preset groups impls <<<"$step"
       timeout --signal=TERM "$limit" python3 -m flashmesh bench --preset "$preset" \
-        ${groups:+--groups "$groups"} --no-progress 2>&1 | tee -a "$OUT/bench.log" | tail -60 ;;
+        ${groups:+--groups "$groups"} ${impls:+--implementations "$impls"} --no-progress 2>&1 | tee -a "$OUT/bench.log" | tail -60 ;;
     example)
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" ;;

@@ -44,8 +44,14 @@ from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSp
 # --------------------------------------------------------------------------------------------
 
 # Per platform: the tile edge for unbounded masks. GPUs want large batched matmuls and few
-# sequential steps; on CPU, smaller tiles keep the per-step working set in cache.
-BASE_BLOCK = {"gpu": 512, "tpu": 512, "cpu": 256}
+# sequential steps; on CPU, smaller tiles keep the per-step working set in cache. On an H200,
+# 2048 beat 1024 and 512 on both the 4k non-causal and 8k causal anchors, fwd and fwd+bwd
+# (benchmarks/explore_chunked.py, 2026-11-30: 4k full fwd+bwd 13.0 / 15.6 / 17.0 ms).
+BASE_BLOCK = {"gpu": 2048, "tpu": 512, "cpu": 256}
+# A step holds float32 logits for every query row against one key tile: key tiles shrink (to
+# no less than MIN_CAPPED_BLOCK) until that is at most this many bytes.
+STEP_LOGITS_BYTES = 4 * 2**30
+MIN_CAPPED_BLOCK = 512
 # Narrow windows: tiles about as large as the window's wider side, but no smaller than this.
 MIN_BAND_BLOCK = 64
 
@@ -69,7 +75,8 @@ class BlockSizes:
 
     @classmethod
     def default_for(cls, spec: AttentionSpec, platform: str) -> "BlockSizes":
-        """Square tiles of BASE_BLOCK[platform] (256 elsewhere); for a window bounded on both
+        """Square tiles of BASE_BLOCK[platform] (256 elsewhere), halved while one step's
+        logits would pass STEP_LOGITS_BYTES; for a window bounded on both
         sides (e.g. the causal sliding window (128, 0)), tiles of the window's wider side
         rounded up to a power of two (at least MIN_BAND_BLOCK): a query block then meets about
         two key blocks, and smaller tiles waste less of them.
@@ -78,6 +85,9 @@ class BlockSizes:
         left, right = spec.window
         if left >= 0 and right >= 0:
             block = min(block, max(MIN_BAND_BLOCK, _next_pow2(max(left, right))))
+        per_column = 4 * spec.batch * spec.num_heads * _next_pow2(spec.q_len)
+        while block > MIN_CAPPED_BLOCK and block * per_column > STEP_LOGITS_BYTES:
+            block //= 2
         return cls(block, block).fitted(spec)
 
     def fitted(self, spec: AttentionSpec) -> "BlockSizes":
