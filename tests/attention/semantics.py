@@ -30,6 +30,16 @@ import numpy as np
 import flashmesh
 from flashmesh.attention.spec import EMPTY_ROW_LSE
 
+# XLA options for the many small programs the tests compile: the LLVM back end's cheap settings
+# cut compile time by about a third (the HLO passes, and so the numerics, are unchanged).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def jit(f):
+    """jax.jit with FAST_COMPILE."""
+    return jax.jit(f, compiler_options=FAST_COMPILE)
+
+
 # mask string -> (causal, bottom-right diagonal); "padding*" only says segments are required.
 MASK_STRINGS = {
     "none": (False, False), "causal": (True, False), "causal_bottom_right": (True, True),

@@ -95,7 +95,8 @@ BAD = [
         np.array([[3, 4], [2, -1]]), np.array([[0, 5], [0, -1]]))),
      r"q offsets \+ seqlens must be <= the sequence length 8, got 9"),
     # bias, sink, softmax, scale, soft cap
-    ("bias_rank_3", lambda: call(bias=np.zeros((N, T, T), np.float32)), r"bias shape \(4, 8, 8\) must be \[B\|1, N\|1, T, S\]"),
+    ("bias_rank_3", lambda: call(bias=np.zeros((N, T, T), np.float32)),
+     r"bias shape \(4, 8, 8\) must be \[B\|1, N\|1, T, S\]"),
     ("bias_batch", lambda: call(bias=np.zeros((3, N, T, T), np.float32)), r"bias shape \(3, 4, 8, 8\)"),
     ("bias_heads", lambda: call(bias=np.zeros((1, K, T, T), np.float32)), r"bias shape \(1, 2, 8, 8\)"),
     ("bias_length", lambda: call(bias=np.zeros((1, 1, T, T + 1), np.float32)), r"bias shape \(1, 1, 8, 9\)"),
@@ -104,8 +105,10 @@ BAD = [
     ("sink_missing", lambda: call(softmax="learnable"), r"softmax='learnable' needs sink"),
     ("sink_shape", lambda: call(softmax="learnable", sink=np.zeros((1, N), np.float32)),
      r"sink shape \(1, 4\) must be \(num_heads,\) = \(4,\)"),
-    ("sink_kv_heads", lambda: call(softmax="learnable", sink=np.zeros((K,), np.float32)), r"sink shape \(2,\)"),
-    ("sink_int", lambda: call(softmax="learnable", sink=np.zeros((N,), np.int32)), r"sink must be a floating-point"),
+    ("sink_kv_heads", lambda: call(softmax="learnable", sink=np.zeros((K,), np.float32)),
+     r"sink shape \(2,\)"),
+    ("sink_int", lambda: call(softmax="learnable", sink=np.zeros((N,), np.int32)),
+     r"sink must be a floating-point"),
     ("sink_without_learnable", lambda: call(sink=np.zeros((N,), np.float32)),
      r"sink is only used with softmax='learnable'"),
     ("sink_with_off_by_one", lambda: call(softmax="off_by_one", sink=np.zeros((N,), np.float32)),
@@ -118,16 +121,22 @@ BAD = [
     # cap * tanh(s / cap) is inf * 0 = NaN for an infinite cap: a bad input, not "no cap".
     ("soft_cap_inf", lambda: call(logits_soft_cap=float("inf")), r"logits_soft_cap must be a positive"),
     # dropout
-    ("dropout_without_rng", lambda: call(dropout_rate=0.1), r"dropout_rate=0.1 while training needs dropout_rng"),
-    ("dropout_rate_one", lambda: call(dropout_rate=1.0, dropout_rng=jax.random.key(0)), r"dropout_rate must be in \[0, 1\)"),
-    ("dropout_rate_negative", lambda: call(dropout_rate=-0.1, dropout_rng=jax.random.key(0)), r"dropout_rate must be in \[0, 1\)"),
+    ("dropout_without_rng", lambda: call(dropout_rate=0.1),
+     r"dropout_rate=0.1 while training needs dropout_rng"),
+    ("dropout_rate_one", lambda: call(dropout_rate=1.0, dropout_rng=jax.random.key(0)),
+     r"dropout_rate must be in \[0, 1\)"),
+    ("dropout_rate_negative", lambda: call(dropout_rate=-0.1, dropout_rng=jax.random.key(0)),
+     r"dropout_rate must be in \[0, 1\)"),
     ("dropout_rng_floats", lambda: call(dropout_rate=0.1, dropout_rng=np.zeros(2, np.float32)),
      r"dropout_rng must be a PRNG key"),
     # layouts and implementations
     ("unknown_layout", lambda: call(layout="bhsd"), r"layout='bhsd' must be one of"),
-    ("unknown_implementation", lambda: call(implementation="flash"), r"implementation='flash' must be one of"),
-    ("bs3hd_rank_4", lambda: call(Q, None, None, layout="bs3hd"), r"layout='bs3hd' expects q of shape \[B, S, 3, N, H\]"),
-    ("bs3hd_two", lambda: call(np.stack([Q, Q], 2), None, None, layout="bs3hd"), r"layout='bs3hd' expects q of shape"),
+    ("unknown_implementation", lambda: call(implementation="flash"),
+     r"implementation='flash' must be one of"),
+    ("bs3hd_rank_4", lambda: call(Q, None, None, layout="bs3hd"),
+     r"layout='bs3hd' expects q of shape \[B, S, 3, N, H\]"),
+    ("bs3hd_two", lambda: call(np.stack([Q, Q], 2), None, None, layout="bs3hd"),
+     r"layout='bs3hd' expects q of shape"),
     ("bs3hd_with_k", lambda: call(np.stack([Q] * 3, 2), KV, None, layout="bs3hd"),
      r"layout='bs3hd' packs q, k and v into the first argument"),
     ("bs3hd_missing", lambda: call(None, None, None, layout="bs3hd"), r"layout='bs3hd' expects q of shape"),
@@ -135,9 +144,11 @@ BAD = [
      r"layout='bshd_bs2hd' expects k of shape \[B, S, 2, K, H\]"),
     ("bshd_bs2hd_with_v", lambda: call(Q, np.stack([KV] * 2, 2), KV, layout="bshd_bs2hd"),
      r"layout='bshd_bs2hd' packs k and v into the second argument"),
-    ("bshd_bs2hd_missing_k", lambda: call(Q, None, None, layout="bshd_bs2hd"), r"layout='bshd_bs2hd' expects k"),
+    ("bshd_bs2hd_missing_k", lambda: call(Q, None, None, layout="bshd_bs2hd"),
+     r"layout='bshd_bs2hd' expects k"),
     ("bshd_missing_v", lambda: call(Q, KV, None), r"layout='bshd' takes separate q, k and v"),
-    ("thd_without_segments", lambda: call(layout="thd_thd_thd"), r"layout='thd_thd_thd' packs several sequences"),
+    ("thd_without_segments", lambda: call(layout="thd_thd_thd"),
+     r"layout='thd_thd_thd' packs several sequences"),
     ("t3hd_without_segments", lambda: call(np.stack([Q] * 3, 2), None, None, layout="t3hd"),
      r"layout='t3hd' packs several sequences per row and needs segments"),
     # explain validates exactly as attention does
@@ -180,7 +191,8 @@ def test_bad_input_under_jit_is_still_a_value_error():
 # -- implementations that cannot run a call --------------------------------------------------------
 def test_named_cudnn_that_cannot_run_raises_not_implemented_with_reason():
     """float32 is refused by cuDNN on every platform (and on CPU there is no GPU at all)."""
-    with pytest.raises(NotImplementedError, match=r"implementation='cudnn' cannot run this call on \w+: .+") as info:
+    pattern = r"implementation='cudnn' cannot run this call on \w+: .+"
+    with pytest.raises(NotImplementedError, match=pattern) as info:
         call(implementation="cudnn")
     assert "float32" in str(info.value) or "GPU" in str(info.value)
 

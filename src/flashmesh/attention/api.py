@@ -118,8 +118,9 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
             raise ValueError(f"sink shape {sink.shape} must be (num_heads,) = ({N},)")
     elif sink is not None:
         raise ValueError(f"sink is only used with softmax='learnable', got softmax={softmax!r}")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
-        raise ValueError(f"logits_soft_cap must be a positive number or None, got {logits_soft_cap!r}")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
+                                            and 0 < logits_soft_cap < math.inf):
+        raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
 
     if not (isinstance(dropout_rate, (int, float)) and 0.0 <= dropout_rate < 1.0):
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")

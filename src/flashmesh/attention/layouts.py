@@ -31,8 +31,9 @@ def split(layout: str, q, k, v) -> tuple[jax.Array, jax.Array, jax.Array]:
     if packing == "qkv":
         if k is not None or v is not None:
             raise ValueError(f"{layout=} packs q, k and v into the first argument; pass k=None, v=None")
-        if q.ndim != 5 or q.shape[2] != 3:
-            raise ValueError(f"{layout=} expects q of shape [B, S, 3, N, H], got {q.shape}")
+        if q is None or q.ndim != 5 or q.shape[2] != 3:
+            raise ValueError(f"{layout=} expects q of shape [B, S, 3, N, H], got "
+                             f"{None if q is None else q.shape}")
         q, k, v = q[:, :, 0], q[:, :, 1], q[:, :, 2]
     elif packing == "kv":
         if v is not None:
@@ -41,12 +42,13 @@ def split(layout: str, q, k, v) -> tuple[jax.Array, jax.Array, jax.Array]:
             raise ValueError(f"{layout=} expects k of shape [B, S, 2, K, H], got "
                              f"{None if k is None else k.shape}")
         k, v = k[:, :, 0], k[:, :, 1]
-    elif k is None or v is None:
-        raise ValueError(f"{layout=} takes separate q, k and v; got k={k is not None}, v={v is not None}")
+    elif q is None or k is None or v is None:
+        raise ValueError(f"{layout=} takes separate q, k and v; got None for "
+                         f"{[n for n, x in (('q', q), ('k', k), ('v', v)) if x is None]}")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
+        if x is None or x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 ({'[S, B, N, H]' if seq_major else '[B, S, N, H]'}) "
-                             f"in {layout=}, got shape {x.shape}")
+                             f"in {layout=}, got {None if x is None else x.shape}")
     if seq_major:
         q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))
     return q, k, v

@@ -31,6 +31,25 @@ def _pair(x, name: str):
     return x, x
 
 
+def _same_batch(name: str, q, kv) -> None:
+    if q.shape[0] != kv.shape[0]:
+        raise ValueError(f"{name} batch sizes differ: q {q.shape}, kv {kv.shape}")
+
+
+def _check_disjoint(name: str, lens, offs) -> None:
+    """Packed segments of one row must not share tokens (checked when the arrays are known)."""
+    lens_c, offs_c = concrete(lens), concrete(offs)
+    if lens_c is None or offs_c is None:
+        return
+    for row_lens, row_offs in zip(lens_c, offs_c):
+        used = (row_lens > 0) & (row_offs >= 0)
+        starts, ends = row_offs[used], row_offs[used] + row_lens[used]
+        order = np.argsort(starts)
+        if (starts[order][1:] < ends[order][:-1]).any():
+            raise ValueError(f"{name} segments overlap: offsets {row_offs.tolist()} with "
+                             f"seqlens {row_lens.tolist()}")
+
+
 def concrete(x) -> np.ndarray | None:
     """The value of x when it is known at trace time, else None (under jit)."""
     try:
@@ -71,6 +90,7 @@ class SequenceDescriptor:
     @classmethod
     def from_seqlens(cls, seqlens) -> "SequenceDescriptor":
         q, kv = _pair(seqlens, "seqlens")
+        _same_batch("seqlens", q, kv)
         for name, x in (("q seqlens", q), ("kv seqlens", kv)):
             if x.ndim != 1:
                 raise ValueError(f"{name} must have shape [B], got {x.shape}")
@@ -83,6 +103,8 @@ class SequenceDescriptor:
     def from_seqlens_and_offsets(cls, seqlens, offsets) -> "SequenceDescriptor":
         q_len, kv_len = _pair(seqlens, "seqlens")
         q_off, kv_off = _pair(offsets, "offsets")
+        _same_batch("seqlens", q_len, kv_len)
+        _same_batch("offsets", q_off, kv_off)
         for name, lens, off in (("q", q_len, q_off), ("kv", kv_len, kv_off)):
             if lens.ndim != 2:
                 raise ValueError(f"{name} seqlens must have shape [B, M], got {lens.shape}")
@@ -90,6 +112,7 @@ class SequenceDescriptor:
                     lens.shape[1], lens.shape[1] + 1):
                 raise ValueError(f"{name} offsets must have shape [B, M] or [B, M+1] with "
                                  f"seqlens {lens.shape}, got {off.shape}")
+            _check_disjoint(name, lens, off[:, :lens.shape[1]])
         return cls(q_seqlens=q_len, kv_seqlens=kv_len, q_offsets=q_off[:, :q_len.shape[1]],
                    kv_offsets=kv_off[:, :kv_len.shape[1]], kind="seqlens_offsets",
                    max_segments=int(max(q_len.shape[1], kv_len.shape[1])))
