@@ -7,6 +7,7 @@ one frozen `AttentionSpec` plus one `AttentionInputs` pytree here; backends see 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -31,10 +32,10 @@ MASKS: dict[str, tuple[bool, bool, bool]] = {
 def _window(window, causal: bool) -> tuple[int, int]:
     if window is None:
         return (-1, 0) if causal else (-1, -1)
-    if not (isinstance(window, (tuple, list)) and len(window) == 2
-            and all(isinstance(w, int) and w >= -1 for w in window)):
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(
+            isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window)):
         raise ValueError(f"window must be a (left, right) pair of ints >= -1, got {window!r}")
-    left, right = window
+    left, right = (int(w) for w in window)
     if causal:
         if right > 0:
             raise ValueError(f"window={tuple(window)} has right > 0, which a causal mask forbids")
@@ -105,8 +106,8 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
 
     if scale is None:
         scale = 1.0 / math.sqrt(Dqk)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite Python number, got {scale!r}")
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number, got {scale!r}")
     if softmax not in SOFTMAX_TYPES:
         raise ValueError(f"softmax={softmax!r} must be one of {SOFTMAX_TYPES}")
     if softmax == "learnable":
