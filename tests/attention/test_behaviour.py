@@ -34,7 +34,7 @@ import pytest
 
 import flashmesh
 import semantics as sem
-from flashmesh.attention import normalize
+from flashmesh.attention import cudnn, normalize
 from flashmesh.attention.spec import EMPTY_ROW_LSE
 
 ALL_FEATURES = frozenset({
@@ -201,10 +201,12 @@ def case_features(c: Case, x: Inputs, dtype: str) -> frozenset[str]:
         f.add("causal_bottom_right")
     elif "causal" in c.mask:
         f.add("causal")
+    # normalized_window folds a causal mask in as right = 0, so (-1, 0) is the causal mask
+    # itself, not a window: only a bounded left side, or a right side that is not 0, is one.
     left, right = sem.normalized_window(c.mask, c.window)
     if left >= 0 and right == 0:
         f.add("window")
-    elif left >= 0 or right >= 0:
+    elif left >= 0 or right > 0:
         f.add("window_non_causal")
     if c.segments is not None:
         f.add("padding" if c.segments.startswith("seqlens") else "packed")
@@ -406,6 +408,41 @@ def test_features_cover_every_capability():
         for dtype in case.dtypes:
             used |= features(name, dtype)
     assert used == ALL_FEATURES, sorted(ALL_FEATURES - used)
+
+
+def spec_of(c: Case, x: Inputs, dtype: str):
+    """The AttentionSpec of case c's call in `dtype` (as `run` makes it), from shapes alone."""
+    dt = jnp.dtype(dtype)
+    opts = options_of(c, x)
+    extra = {} if x.bias is None else {"bias": jax.ShapeDtypeStruct(x.bias.shape, dt)}
+    if x.sink is not None:
+        extra["sink"] = jax.ShapeDtypeStruct(x.sink.shape, jnp.float32)
+    box = []
+
+    def trace(q, k, v, extra):
+        box.append(normalize(*sem.pack(c.layout, q, k, v), **extra, **opts, layout=c.layout)[1])
+        return 0
+
+    jax.eval_shape(trace, *(jax.ShapeDtypeStruct(a.shape, dt) for a in (x.q, x.k, x.v)), extra)
+    return box[0]
+
+
+def test_cudnn_capabilities_match_its_reasons():
+    """On CPU too: CAPABILITIES["cudnn"] (with UNSUPPORTED_TOGETHER) supports a case exactly
+    when cudnn's own checks accept it on a Hopper GPU with a recent cuDNN. The gpu-marked cases
+    expect output or NotImplementedError from this table; a table out of step with the backend
+    would otherwise show only on a GPU, as every case failing in one direction."""
+    hopper = cudnn.Device(91200, (9, 0))
+    wrong = []
+    for name, c in CASES.items():
+        for dtype in dict.fromkeys(c.dtypes + ("bfloat16",)):
+            spec = spec_of(c, inputs_of(name), dtype)
+            reason = cudnn.static_reason(spec) or cudnn.device_reason(spec, hopper)
+            table = supports("cudnn", features(name, dtype))
+            if table != (reason is None):
+                wrong.append(f"{name}/{dtype}: the table says supported={table}, cudnn says "
+                             f"{reason or 'supported'}")
+    assert not wrong, "\n".join(wrong)
 
 
 # ---------------------------------------------------------------------------------------------
