@@ -662,3 +662,32 @@ def test_gpu_graph_equals_raw_cudnn(causal):
     mine, theirs = (_compiled(jax.grad(f, (0, 1, 2)), q, q, q) for f in (ours, raw))
     assert mine[0] == theirs[0]
     assert mine[1] <= theirs[1], (mine, theirs)
+
+
+def test_forward_only_without_lse_runs_the_inference_kernel(fake_cudnn, monkeypatch):
+    """A forward-only call that does not ask for the lse asks cuDNN for no statistics (its
+    inference kernel, as jax.nn runs it); the differentiated path and return_lse still do."""
+    asked = []
+
+    def recording_forward(cfg, *args):
+        asked.append(cfg.statistics)
+        out, stats = fake_forward(cfg, *args)
+        return (out, stats) if cfg.statistics else (out, None)
+
+    monkeypatch.setattr(cudnn, "_cudnn_forward", recording_forward)
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.bfloat16) for _ in range(3))
+
+    def run(return_lse):
+        inputs, spec = normalize(q, k, v, mask="causal", return_lse=return_lse)
+        return inputs, spec, cudnn._attention(inputs, spec)
+
+    inputs, spec, (out, _) = run(False)
+    assert asked == [False]
+    want, _ = reference.attention(inputs, spec)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2)
+    run(True)
+    assert asked == [False, True]
+    inputs, spec = normalize(q, k, v, mask="causal", return_lse=False)
+    jax.grad(lambda q: cudnn._attention(dataclasses.replace(inputs, q=q), spec)[0].astype(jnp.float32).sum())(q)
+    assert asked[-1] is True

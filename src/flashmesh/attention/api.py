@@ -50,7 +50,8 @@ def _check_float(name: str, x) -> None:
 
 def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, bias=None,
               scale=None, softmax="vanilla", sink=None, logits_soft_cap=None, dropout_rate=0.0,
-              dropout_rng=None, deterministic=False, layout="bshd") -> tuple[AttentionInputs, AttentionSpec]:
+              dropout_rng=None, deterministic=False, layout="bshd",
+              return_lse=True) -> tuple[AttentionInputs, AttentionSpec]:
     """User options -> (AttentionInputs, AttentionSpec), raising ValueError on bad input."""
     if layout not in layouts.LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {sorted(layouts.LAYOUTS)}")
@@ -139,7 +140,7 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
         dtype=jnp.dtype(q.dtype).name, scale=float(scale), window=win, bottom_right=bottom_right,
         softmax=softmax, logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         dropout_rate=float(dropout_rate), bias_shape=bias_shape, segments=seg_kind,
-        max_segments=max_segments, positions_canonical=canonical)
+        max_segments=max_segments, positions_canonical=canonical, return_lse=bool(return_lse))
     inputs = AttentionInputs(q=q, k=k, v=v, bias=bias, sink=sink, q_segment_ids=q_ids,
                              kv_segment_ids=kv_ids, q_positions=q_pos, kv_positions=kv_pos,
                              dropout_seed=seed)
@@ -220,7 +221,7 @@ def attention(
     inputs, spec = normalize(q, k, v, mask=mask, window=window, segments=segments, bias=bias,
                              scale=scale, softmax=softmax, sink=sink, logits_soft_cap=logits_soft_cap,
                              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                             deterministic=deterministic, layout=layout)
+                             deterministic=deterministic, layout=layout, return_lse=return_lse)
     impl = registry.select(spec, implementation)
     out, lse = impl.module.attention(inputs, spec)
     out = layouts.restore(layout, out)

@@ -356,16 +356,21 @@ class Config:
     sliding_window_length: int | None  # window left + 1; None = unbounded
     causal: bool
     window_left: int | None
+    # Ask for the softmax statistics. Without them cuDNN runs its inference kernel, which
+    # jax.nn uses for forward-only calls; the differentiated path always asks.
+    statistics: bool = True
 
 
 def _cudnn_forward(cfg: Config, q, k, v, bias, seqs: Sequences):
-    """(out [B, T, N, Dv], statistics float32 [B, N, T] or, packed, [B*M, N, T])."""
+    """(out [B, T, N, Dv], statistics float32 [B, N, T] or, packed, [B*M, N, T]; None when
+    cfg.statistics is False)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
-    return fa.dot_product_attention(
+    result = fa.dot_product_attention(
         q, k, v, bias, None, seqs.q_seqlen, seqs.kv_seqlen, seqs.q_offsets, seqs.kv_offsets,
         scale=cfg.scale, mask_type=fa.MaskType[cfg.mask_type], seed=0, dropout_rate=0.0,
         qkv_layout="BTNH", sliding_window_length=cfg.sliding_window_length,
-        return_residual=True)
+        return_residual=cfg.statistics)
+    return result if cfg.statistics else (result, None)
 
 
 def _cudnn_backward(cfg: Config, q, k, v, bias, seqs: Sequences, stats, out, d_out):
@@ -440,10 +445,15 @@ def _dbias_visible(cfg: Config, seqs: Sequences, T: int, S: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(cfg: Config, q, k, v, bias, seqs: Sequences):
     out, stats = _cudnn_forward(cfg, q, k, v, bias, seqs)
+    if not cfg.statistics:
+        # Forward only, and nobody asked for the lse (spec.return_lse is False): the caller
+        # discards this placeholder; it only keeps the structure of the differentiated path.
+        return out, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
     return out, _lse_from_stats(stats, seqs)
 
 
 def _fused_fwd(cfg, q, k, v, bias, seqs):
+    cfg = dataclasses.replace(cfg, statistics=True)  # the backward pass needs them
     q, k, v, bias, seqs = custom_vjp_primal_tree_values((q, k, v, bias, seqs))
     out, stats = _cudnn_forward(cfg, q, k, v, bias, seqs)
     return (out, _lse_from_stats(stats, seqs)), (q, k, v, bias, seqs, out, stats)
@@ -492,7 +502,7 @@ def plan(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Config, Sequence
     else:
         seqs = Sequences()  # the common case: cuDNN's call and nothing else
     sliding = None if window_left is None else window_left + 1
-    return Config(spec.scale, mask, sliding, spec.causal, window_left), seqs
+    return Config(spec.scale, mask, sliding, spec.causal, window_left, spec.return_lse), seqs
 
 
 def attention(inputs: AttentionInputs, spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:

@@ -35,6 +35,9 @@ class AttentionSpec:
     max_segments: an upper bound on segments per row when known (cuDNN needs it statically).
     positions_canonical: positions equal the token's offset from its segment's start (plus the
       bottom-right shift), so backends that derive positions themselves give the same mask.
+    return_lse: whether the caller wants the log-sum-exp. When False, a backend may return a
+      placeholder in its place for calls that are not differentiated (cuDNN then runs its
+      inference kernel, as jax.nn does).
     """
 
     batch: int
@@ -55,6 +58,7 @@ class AttentionSpec:
     segments: Literal["padding", "packed"] | None = None
     max_segments: int | None = None
     positions_canonical: bool = True
+    return_lse: bool = True
 
     @property
     def causal(self) -> bool:
