@@ -142,6 +142,15 @@ def bar_plot(group: Group, rows: list[Result], mode: str, path: Path, device: st
         style = _style(label)
         ax.bar(xs, ys, width=width, label=label, color=style["color"],
                hatch="//" if style["linestyle"] == "--" else None, edgecolor="white")
+    # A row that ran but has no bar says why in its slot (unsupported, error, out of memory...).
+    failed = {(r.shape.name, r.label): r.status.split(":")[0] for r in all_rows
+              if r.status not in runner.TIMED}
+    for i, label in enumerate(labels):
+        for j, c in enumerate(categories):
+            if (c, label) not in values and (c, label) in failed:
+                ax.text(j + (i - (len(labels) - 1) / 2) * width, 0.02, failed[(c, label)],
+                        transform=ax.get_xaxis_transform(), rotation=90, ha="center", va="bottom",
+                        fontsize=7, color="dimgray")
     by_name = {s.name: s for s in group.shapes}
     tick = (lambda c: _tokens(getattr(by_name[c], group.sweep))) if group.sweep else (lambda c: c)
     ax.set_xticks(range(len(categories)))
