@@ -45,8 +45,9 @@ from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSp
 
 # Per platform: the tile edge for unbounded masks. GPUs want large batched matmuls and few
 # sequential steps; on CPU, smaller tiles keep the per-step working set in cache. On an H200,
-# 2048 beat 1024 and 512 on both the 4k non-causal and 8k causal anchors, fwd and fwd+bwd
-# (benchmarks/explore_chunked.py, 2026-11-30: 4k full fwd+bwd 13.0 / 15.6 / 17.0 ms).
+# the tiles of this rule (2048, or 1024 where the budget below caps them) beat fixed 512-wide
+# ones on every non-windowed anchor shape, fwd and fwd+bwd: compare the chunked rows of
+# benchmarks/results/2026-11-30-nvidia-h200-anchors-2 (this rule) and -anchors (512).
 BASE_BLOCK = {"gpu": 2048, "tpu": 512, "cpu": 256}
 # A step holds float32 logits for every query row against one key tile: key tiles shrink (to
 # no less than MIN_CAPPED_BLOCK) until that is at most this many bytes.
