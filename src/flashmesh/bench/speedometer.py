@@ -77,7 +77,7 @@ def speedometer(
 
     Example:
       >>> speedometer(model.apply, variables, (q, k, v), dout, timing_iters=20, warmup_iters=10)
-      Mean time: <median of the timed steps> ms
+      Mean time: <mean milliseconds per timed step> ms
     """
     if timing_iters < 1 or warmup_iters < 0:
         raise ValueError(f"timing_iters={timing_iters} must be >= 1 and warmup_iters={warmup_iters} >= 0")
