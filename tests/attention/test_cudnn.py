@@ -691,3 +691,23 @@ def test_forward_only_without_lse_runs_the_inference_kernel(fake_cudnn, monkeypa
     inputs, spec = normalize(q, k, v, mask="causal", return_lse=False)
     jax.grad(lambda q: cudnn._attention(dataclasses.replace(inputs, q=q), spec)[0].astype(jnp.float32).sum())(q)
     assert asked[-1] is True
+
+
+def _cudnn_call_types(fn, *args):
+    """The result types of every cuDNN custom call in the compiled graph: a forward that
+    computes softmax statistics (training mode) has one more result than inference mode."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return sorted(m.group(1).strip() for m in re.finditer(
+        r"=\s*(.*?)\s*custom-call\(.*custom_call_target=\"[^\"]*cudnn[^\"]*\"", text))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_forward_only_graph_equals_raw_cudnn(causal):
+    """Forward only, no lse asked: the same cuDNN call (inference mode) as jax.nn runs."""
+    q = jnp.ones((2, 1024, 8, 128), jnp.bfloat16)
+    ours = lambda q, k, v: flashmesh.attention(q, k, v, mask="causal" if causal else "none")  # noqa: E731
+    raw = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
+                                                       implementation="cudnn")
+    mine, theirs = (_cudnn_call_types(f, q, q, q) for f in (ours, raw))
+    assert mine and mine == theirs, (mine, theirs)
