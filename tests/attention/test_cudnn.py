@@ -22,7 +22,7 @@ import pytest
 
 import flashmesh
 import semantics as sem
-from flashmesh.attention import cudnn, masks, normalize, reference
+from flashmesh.attention import cudnn, cudnn_sequences, masks, normalize, reference
 from flashmesh.attention.spec import EMPTY_ROW_LSE
 
 H200 = cudnn.Device(91200, (9, 0))
@@ -304,7 +304,7 @@ def test_malformed_offsets_are_caught():
     seqs = cudnn.packed_sequences(q_ids, q_ids, 2, None)
     broken = dataclasses.replace(seqs, q_offsets=seqs.q_offsets.at[0, -1].set(8))
     with pytest.raises(RuntimeError, match="malformed cuDNN q"):
-        cudnn._validate(broken, jnp.zeros((1, 8), bool), jnp.zeros((1, 2), bool),
+        cudnn_sequences._validate(broken, jnp.zeros((1, 8), bool), jnp.zeros((1, 2), bool),
                         jnp.zeros((1, 2), jnp.int32), 2, 8, 8)
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from flashmesh.attention import layouts, registry
-from flashmesh.attention.sequence import SequenceDescriptor, concrete
+from flashmesh.attention.sequence import SequenceDescriptor
 from flashmesh.attention.spec import SOFTMAX_TYPES, AttentionInputs, AttentionSpec
 
 # mask name -> (causal, bottom-right diagonal, needs a descriptor)

@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from flashmesh.attention.cudnn_sequences import (  # noqa: F401  (tests reach them here)
-    Sequences, _validate, packed_sequences, padding_sequences, trimmed_sequences)
+from flashmesh.attention.cudnn_sequences import (Sequences, packed_sequences, padding_sequences,
+                                                 trimmed_sequences)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
 
 # JAX minor versions whose internal cuDNN attention signature this module was written against.

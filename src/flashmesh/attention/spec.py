@@ -86,15 +86,6 @@ class AttentionSpec:
         """Position of query 0 when positions are implicit."""
         return self.kv_len - self.q_len if self.bottom_right else 0
 
-    @property
-    def has_positional_mask(self) -> bool:
-        return self.has_window
-
-    @property
-    def is_masked(self) -> bool:
-        """Whether any (query, key) pair can be hidden."""
-        return self.has_window or self.segments is not None
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +111,6 @@ class AttentionInputs:
     q_positions: jax.Array | None = None
     kv_positions: jax.Array | None = None
     dropout_seed: jax.Array | None = None
-
-
-def lse_shape(spec: AttentionSpec) -> tuple[int, int, int]:
-    """The log-sum-exp every backend returns: [B, N, T] float32."""
-    return (spec.batch, spec.num_heads, spec.q_len)
 
 
 def compute_dtype(dtype) -> jnp.dtype:

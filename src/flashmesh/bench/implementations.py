@@ -115,6 +115,15 @@ def _naive(shape: Shape, dtype: str, platform: str) -> AttentionFn:
 
 
 # -- jax.nn.dot_product_attention ------------------------------------------------------------------
+def _refuse_beyond_jax_nn(shape: Shape, who: str) -> None:
+    """jax.nn's signature (shared by tokamax) has no packed segments and a top-left causal mask."""
+    if shape.segments is not None:
+        raise NotImplementedError(f"{who} takes no packed segments (jax.nn's signature)")
+    if shape.bottom_right and shape.T != shape.S:
+        raise NotImplementedError(f"{who} has jax.nn's top-left causal mask; this shape asks "
+                                  "bottom-right with T != S")
+
+
 def _jax_nn(impl: str):
     def build(shape: Shape, dtype: str, platform: str) -> AttentionFn:
         if impl == "cudnn":
@@ -122,11 +131,7 @@ def _jax_nn(impl: str):
                 raise NotImplementedError(f"cuDNN needs an NVIDIA GPU; this run is on {platform}")
             if dtype not in ("bf16", "f16"):
                 raise NotImplementedError(f"cuDNN fused attention takes bf16/f16 inputs, not {dtype}")
-        if shape.segments is not None:
-            raise NotImplementedError("jax.nn.dot_product_attention has no packed segments")
-        if shape.bottom_right and shape.T != shape.S:
-            raise NotImplementedError("jax.nn.dot_product_attention's causal mask is top-left "
-                                      "aligned; this shape asks bottom-right with T != S")
+        _refuse_beyond_jax_nn(shape, "jax.nn.dot_product_attention")
         if shape.Dqk != shape.Dv:
             raise NotImplementedError(f"jax.nn.dot_product_attention needs Dqk == Dv, got "
                                       f"{shape.Dqk} and {shape.Dv}")
@@ -228,11 +233,7 @@ def _tokamax(impl: str):
 
         if platform != "gpu":
             raise NotImplementedError(f"tokamax's {impl} kernel needs a GPU; this run is on {platform}")
-        if shape.segments is not None:
-            raise NotImplementedError("this row does not pass packed segments to tokamax")
-        if shape.bottom_right and shape.T != shape.S:
-            raise NotImplementedError("tokamax follows jax.nn's top-left causal mask; this shape "
-                                      "asks bottom-right with T != S")
+        _refuse_beyond_jax_nn(shape, f"tokamax ({impl})")
         window = _window_bounds(shape) if shape.window is not None else None
 
         def f(q, k, v, segment_ids=None):
