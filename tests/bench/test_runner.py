@@ -47,6 +47,14 @@ def test_slice_rows_with_segments():
     assert r.error < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_jax_nn_rows_run_in_bf16_under_strict_promotion(mode):
+    # The suite promotes strictly; jax.nn's xla path in bf16 does not, so the row must cope.
+    causal = dataclasses.replace(GQA_BR, name="gqa_causal", S=48, mask="causal")
+    r = measure(causal, "xla@bf16", mode)
+    assert r.status == runner.OK, r.reason
+
+
 def test_no_reference_means_unchecked():
     r = measure(GQA_BR, "naive", "fwd", budget=1)
     assert r.status == runner.UNCHECKED and "unchecked" in r.reason and r.ms is not None

@@ -187,9 +187,11 @@ def causal_check(shape: Shape, implementations=("flashmesh", "xla")) -> list[dic
     rows = []
     for name in implementations:
         try:
-            full = impls.build(name, dataclasses.replace(shape, mask="none"), "f32", current_platform())
-            causal = impls.build(name, dataclasses.replace(shape, mask="causal"), "f32", current_platform())
-            a, c = jax.jit(full)(q, k, v), jax.jit(causal)(q, k, v)
+            impl = impls.get(name)
+            full = impl.build(dataclasses.replace(shape, mask="none"), "f32", current_platform())
+            causal = impl.build(dataclasses.replace(shape, mask="causal"), "f32", current_platform())
+            with impl.tracing():
+                a, c = jax.jit(full)(q, k, v), jax.jit(causal)(q, k, v)
             rows.append(dict(implementation=name,
                              first_position_diff=float(jnp.max(jnp.abs(c[:, 0] - a[:, 0]))),
                              last_position_diff=float(jnp.max(jnp.abs(c[:, -1] - a[:, -1])))))

@@ -184,10 +184,12 @@ def measure(group: str, shape: Shape, candidate: Candidate, mode: str, state: _S
     row = dict(group=group, shape=shape, implementation=candidate.name, label=candidate.label,
                dtype=dtype, mode=mode, flops=flops.attention_flops(shape, mode))
     try:
-        fn = implementations.build(candidate.name, shape, dtype, device_platform)
+        impl = implementations.get(candidate.name)
+        fn = impl.build(shape, dtype, device_platform)
         q, k, v, seg, do = state.get_inputs(dtype)
         args = (q, k, v, seg) if mode == "fwd" else (q, k, v, seg, do)
-        compiled, compile_s = timing.compile_fn(_step(fn, mode), *args)
+        with impl.tracing():
+            compiled, compile_s = timing.compile_fn(_step(fn, mode), *args)
 
         sl, ref, checked_against = state.reference(dtype, mode)
         error = rel = None
