@@ -39,7 +39,7 @@ from flashmesh.attention.spec import EMPTY_ROW_LSE
 
 ALL_FEATURES = frozenset({
     "float32", "bfloat16", "return_lse",
-    "t_ne_s", "odd_lengths", "gqa", "mqa", "dqk_ne_dv",
+    "single_pair", "t_ne_s", "odd_lengths", "gqa", "mqa", "dqk_ne_dv",
     "causal", "causal_bottom_right", "window", "window_non_causal",
     "padding", "packed", "positions", "fully_masked",
     "bias", "bias_per_batch", "off_by_one", "learnable", "soft_cap", "dropout",
@@ -51,7 +51,8 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     # JAX's cuDNN fused attention as cudnn.py exposes it (see its static_reason): bfloat16
     # only, top-left causal, left (sliding) windows with causal, padding and packed segments
     # with canonical positions, a bias shared over the batch; no sinks, soft cap, bottom-right
-    # diagonal with T != S, right windows, or flashmesh's dropout hash. Keep this in step with
+    # diagonal with T != S, right windows, flashmesh's dropout hash, or T = S = 1 (its graph
+    # validation rejects s_q = s_kv = 1; seen on the H200). Keep this in step with
     # cudnn.static_reason: a mismatch fails in one direction or the other on the GPU.
     "cudnn": frozenset({
         "bfloat16", "return_lse", "t_ne_s", "odd_lengths", "gqa", "mqa", "dqk_ne_dv",
@@ -99,6 +100,7 @@ CASES: dict[str, Case] = {
     "mha_causal": Case(dtypes=BOTH),
     "mha_none_scale": Case(mask="none", scale=0.5),
     "len_1": Case(T=1, S=1),
+    "decode_one_query": Case(T=1, S=19, mask="none", dtypes=BOTH),
     "len_7": Case(T=7, S=7, mask="none"),
     "len_129_window_17": Case(T=129, S=129, N=2, K=1, Dqk=8, Dv=8, window=(17, 0)),
     "len_1000": Case(B=1, T=1000, S=1000, N=1, K=1, Dqk=8, Dv=8),
@@ -189,6 +191,8 @@ def inputs_of(name: str) -> Inputs:
 def case_features(c: Case, x: Inputs, dtype: str) -> frozenset[str]:
     """The features case c uses in `dtype`, derived from its configuration."""
     f = {dtype, "return_lse"}
+    if c.T == c.S == 1:
+        f.add("single_pair")
     if c.T != c.S:
         f.add("t_ne_s")
     if c.T % 2 or c.S % 2:

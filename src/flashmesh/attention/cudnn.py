@@ -112,6 +112,8 @@ def static_reason(spec: AttentionSpec) -> str | None:
     left, right = spec.window
     if spec.dtype not in ("bfloat16", "float16"):
         return f"cuDNN fused attention takes bfloat16 or float16 inputs, got {spec.dtype}"
+    if T == 1 and S == 1:
+        return "T = S = 1: cuDNN's graph validation rejects one query against one key"
     if spec.softmax != "vanilla":
         return f"softmax={spec.softmax!r}: cuDNN's softmax has no extra denominator term (sink)"
     if spec.logits_soft_cap is not None:
