@@ -101,7 +101,8 @@ def _chunked(blocks):
     return lambda inputs, spec: chunked.attention(inputs, spec, block_sizes=chunked.BlockSizes(*blocks))
 
 
-# id, shape (defaults B=2 T=S=13 N=2 K=1 D=Dv=8), options for api.normalize, (block_q, block_kv).
+# id, shape (defaults B=2 T=S=13 N=2 K=1 D=Dv=8), options for api.normalize, (block_q, block_kv[,
+# lanes]): lanes caps the query blocks per step (the last group then has EMPTY padding lanes).
 # bias is given as its broadcast shape; learnable softmax gets a random sink.
 CASES = [
     ("causal_mha_dropout", dict(N=2, K=2), dict(mask="causal", dropout_rate=0.3), (4, 4)),
@@ -127,6 +128,13 @@ CASES = [
     ("packed_offsets_bottom_right_softcap_dropout", dict(T=12, S=16),
      dict(mask="padding_causal_bottom_right", logits_soft_cap=3.0, dropout_rate=0.25, segments=packed_offsets), (4, 4)),
     ("long_tails", dict(B=1, T=129, S=1000, N=2, K=1, D=4, Dv=4), dict(mask="causal_bottom_right"), (32, 128)),
+    ("lanes_full_shared_key_block", dict(T=16, S=16), dict(mask="none"), (4, 4, 3)),
+    ("lanes_causal_window_bias", dict(T=33, S=33, N=4, K=2),
+     dict(mask="causal", window=(6, 0), bias=(1, "N", "T", "S")), (4, 4, 3)),
+    ("lanes_packed_bias_dropout", dict(N=4, K=2),
+     dict(mask="padding_causal", bias=("B", 1, "T", "S"), dropout_rate=0.2, segments=packed_ids), (4, 4, 3)),
+    ("lanes_one_padding_empty_rows", dict(T=19, S=7),
+     dict(mask="padding", softmax="off_by_one", segments=seqlens(6, 0)), (4, 4, 1)),
 ]
 
 
@@ -242,8 +250,14 @@ def test_default_block_sizes():
     assert chunked.BlockSizes.default_for(causal, "cpu") == chunked.BlockSizes(256, 256)
     assert chunked.BlockSizes.default_for(window, "gpu") == chunked.BlockSizes(128, 128)
     assert chunked.BlockSizes.default_for(tiny, "gpu") == chunked.BlockSizes(7, 300)
+    # Tutorial 003's 64k workload: 512-wide tiles would still hold 32 GiB of logits for all 128
+    # query blocks, so a step takes 16 of them (4 GiB).
+    huge = _spec(shape=dict(B=2, T=65536, S=65536, N=128, D=4, Dv=4), mask="causal")
+    assert chunked.BlockSizes.default_for(huge, "gpu") == chunked.BlockSizes(512, 512, 16)
     with pytest.raises(ValueError, match="block_q"):
         chunked.BlockSizes(0, 16)
+    with pytest.raises(ValueError, match="lanes"):
+        chunked.BlockSizes(16, 16, 0)
 
 
 def _tiles_of(tables, nq, nk):
@@ -267,6 +281,9 @@ def test_static_schedule_runs_exactly_the_nonempty_tiles():
         assert all((cls[0][t.q[t.q < 32], t.kv[t.q < 32]] == masks.PARTIAL).all() for t in partial)
         if bound is not None:  # a window: a few steps however long the sequence
             assert sum(t.num_steps for t in tables) <= bound
+        capped = chunked_tiles.static_schedule(cls, max_lanes=5)
+        assert all(t.q.shape[1] <= 5 for t in capped)
+        assert (_tiles_of(capped, 32, 32) == (cls[0] != masks.EMPTY)).all()
 
 
 def test_32k_tokens_forward_backward_in_linear_memory():
@@ -292,6 +309,28 @@ def test_32k_tokens_forward_backward_in_linear_memory():
     k = jax.random.normal(jax.random.key(1), (1, T, 1, D), jnp.float32)
     value, grads = compiled(q, k, k)
     assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_64k_packed_workload_plan_is_bounded_with_gpu_blocks():
+    """Tutorial 003's workload on one device (B=2, T=64k, N=128, K=8, D=128, 4 documents per row,
+    causal window 8192) with the GPU's default tiles: XLA's plan of fwd+bwd stays near the
+    size of the linear state (q, out, dq and float32 accumulators, ~20 GiB) plus a few steps of
+    4 GiB. Before steps were capped in lanes, 512-wide tiles of every query block held 32 GiB of
+    logits per step and the plan was 113 GiB. Compiled on CPU, never run."""
+    B, T, N, K, D = 2, 65536, 128, 8, 128
+    q = jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, K, D), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def loss(q, k, v, seg):
+        inputs, spec = api.normalize(q, k, v, mask="padding_causal", window=(8192, 0),
+                                     segments=SD.from_segment_ids_and_pos(seg, max_segments=8))
+        blocks = chunked.BlockSizes.default_for(spec, "gpu")
+        assert blocks == chunked.BlockSizes(512, 512, 16)
+        return jnp.sum(chunked.attention(inputs, spec, block_sizes=blocks)[0].astype(jnp.float32))
+
+    plan = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile().memory_analysis()
+    assert plan.temp_size_in_bytes < 40 * 2**30, f"temp {plan.temp_size_in_bytes / 2**30:.1f} GiB"
 
 
 # -- GPU (skipped elsewhere): the anchor shapes, with the default GPU block sizes ------------------

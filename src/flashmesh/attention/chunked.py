@@ -49,8 +49,9 @@ from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSp
 # ones on every non-windowed anchor shape, fwd and fwd+bwd: compare the chunked rows of
 # benchmarks/results/2026-11-30-nvidia-h200-anchors-2 (this rule) and -anchors (512).
 BASE_BLOCK = {"gpu": 2048, "tpu": 512, "cpu": 256}
-# A step holds float32 logits for every query row against one key tile: key tiles shrink (to
-# no less than MIN_CAPPED_BLOCK) until that is at most this many bytes.
+# A step holds float32 logits for its query blocks against one key tile each: tiles shrink (to
+# no less than MIN_CAPPED_BLOCK) until all query blocks fit in this many bytes; past that, a
+# step takes only as many query blocks (lanes) as fit.
 STEP_LOGITS_BYTES = 4 * 2**30
 MIN_CAPPED_BLOCK = 512
 # Narrow windows: tiles about as large as the window's wider side, but no smaller than this.
@@ -63,21 +64,25 @@ def _next_pow2(x: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes: block_q query rows by block_kv key columns."""
+    """Tile sizes: block_q query rows by block_kv key columns; at most `lanes` query blocks
+    per step (None: all of them)."""
 
     block_q: int
     block_kv: int
+    lanes: int | None = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv"):
+        for name in ("block_q", "block_kv", "lanes"):
             value = getattr(self, name)
+            if name == "lanes" and value is None:
+                continue
             if not (isinstance(value, int) and value > 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
     @classmethod
     def default_for(cls, spec: AttentionSpec, platform: str) -> "BlockSizes":
         """Square tiles of BASE_BLOCK[platform] (256 elsewhere), halved while one step's
-        logits would pass STEP_LOGITS_BYTES; for a window bounded on both
+        logits would pass STEP_LOGITS_BYTES, then as many lanes as fit it; for a window bounded on both
         sides (e.g. the causal sliding window (128, 0)), tiles of the window's wider side
         rounded up to a power of two (at least MIN_BAND_BLOCK): a query block then meets about
         two key blocks, and smaller tiles waste less of them.
@@ -89,11 +94,14 @@ class BlockSizes:
         per_column = 4 * spec.batch * spec.num_heads * _next_pow2(spec.q_len)
         while block > MIN_CAPPED_BLOCK and block * per_column > STEP_LOGITS_BYTES:
             block //= 2
-        return cls(block, block).fitted(spec)
+        lanes = None
+        if block * per_column > STEP_LOGITS_BYTES:
+            lanes = max(1, STEP_LOGITS_BYTES // (4 * spec.batch * spec.num_heads * block * block))
+        return cls(block, block, lanes).fitted(spec)
 
     def fitted(self, spec: AttentionSpec) -> "BlockSizes":
         """Never larger than the sequence: a 7-token query is one tile of 7 rows."""
-        return BlockSizes(min(self.block_q, spec.q_len), min(self.block_kv, spec.kv_len))
+        return BlockSizes(min(self.block_q, spec.q_len), min(self.block_kv, spec.kv_len), self.lanes)
 
 
 def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = False) -> str | None:
@@ -124,18 +132,18 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _chunked(spec, blocks, q, k, v, bias, sink, aux):
-    return _forward(Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux))
+    return _forward(Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux, blocks.lanes))
 
 
 def _chunked_fwd(spec, blocks, q, k, v, bias, sink, aux):
-    out, lse = _forward(Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux))
+    out, lse = _forward(Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux, blocks.lanes))
     return (out, lse), (q, k, v, bias, sink, aux, out, lse)
 
 
 def _chunked_bwd(spec, blocks, residuals, cotangents):
     q, k, v, bias, sink, aux, out, lse = residuals
     g_out, g_lse = cotangents
-    tiles = Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux)
+    tiles = Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux, blocks.lanes)
     dq, dk, dv, dbias, dsink = chunked_vjp.backward(tiles, out, lse, g_out, g_lse)
     return dq, dk, dv, dbias, dsink, None  # aux: segment ids, positions, seed (integers)
 

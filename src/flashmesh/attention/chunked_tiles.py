@@ -73,10 +73,22 @@ class Table:
     def num_steps(self) -> int:
         return self.q.shape[0]
 
-    def shared_kv(self, nq: int) -> bool:
-        """Whether every step has all query blocks, in order, meeting one key block."""
-        return self.q.shape[1] == nq and bool((self.q == np.arange(nq)).all()) and bool(
-            (self.kv == self.kv[:, :1]).all())
+    def shared_kv(self) -> slice | None:
+        """The query blocks, as a slice, if every step has the same consecutive run of them
+        meeting one key block (a full or causal map's FULL tiles); else None."""
+        first = self.q[0]
+        consecutive = len(first) and (np.diff(first) == 1).all()
+        if consecutive and (self.q == first).all() and (self.kv == self.kv[:, :1]).all():
+            return slice(int(first[0]), int(first[-1]) + 1)
+        return None
+
+    def lane_groups(self, max_lanes: int | None) -> list["Table"]:
+        """This table cut into tables of at most `max_lanes` lanes, run one after another."""
+        lanes = self.q.shape[1]
+        if max_lanes is None or lanes <= max_lanes:
+            return [self]
+        return [Table(self.q[:, a:a + max_lanes], self.kv[:, a:a + max_lanes], self.masked)
+                for a in range(0, lanes, max_lanes)]
 
     def static_step(self, t: int, nq: int) -> Step:
         real = self.q[t] < nq
@@ -107,15 +119,16 @@ def _wrap_around(rows: list[np.ndarray], nq: int, nk: int, masked: bool) -> Tabl
     return Table(q.astype(np.int32), kv.astype(np.int32), masked)
 
 
-def static_schedule(classes: np.ndarray) -> list[Table]:
-    """Tables covering exactly the non-empty tiles of a static block map [1, nq, nk]."""
+def static_schedule(classes: np.ndarray, max_lanes: int | None = None) -> list[Table]:
+    """Tables covering exactly the non-empty tiles of a static block map [1, nq, nk], none
+    with more than `max_lanes` lanes (None: no limit)."""
     cls = classes[0]
     nq, nk = cls.shape
     tables = []
     for kind, masked in ((masks.PARTIAL, True), (masks.FULL, False)):
         rows = [np.flatnonzero(r == kind) for r in cls]
         if any(len(r) for r in rows):
-            tables.append(_wrap_around(rows, nq, nk, masked))
+            tables += _wrap_around(rows, nq, nk, masked).lane_groups(max_lanes)
     return tables
 
 
@@ -124,13 +137,17 @@ class DynamicSchedule:
     from a traced block map [B, nq, nk]. Step t visits key block lo + t of every query block."""
 
     def __init__(self, classes: jax.Array):
-        self.classes = classes
+        self.classes = classes  # [B, A, nk] for the A query blocks (lanes) it schedules
         nk = classes.shape[-1]
         nonempty = classes != masks.EMPTY
         self.lo = jnp.argmax(nonempty, axis=-1).astype(jnp.int32)
         hi = (nk - 1 - jnp.argmax(nonempty[..., ::-1], axis=-1)).astype(jnp.int32)
         self.count = jnp.where(jnp.any(nonempty, axis=-1), hi - self.lo + 1, 0)
         self.num_steps = jnp.max(self.count)
+
+    def lanes(self, q: jax.Array) -> "DynamicSchedule":
+        """The schedule of query blocks q [A] only; indices past the end are EMPTY lanes."""
+        return DynamicSchedule(jnp.take(self.classes, q, axis=1, mode="fill", fill_value=masks.EMPTY))
 
     def at(self, t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(key block [B, nq], valid [B, nq], every tile valid and FULL) of step t."""
@@ -196,7 +213,7 @@ class Tiles:
     """
 
     def __init__(self, spec: AttentionSpec, block_q: int, block_kv: int, q, k, v, bias, sink,
-                 aux: AttentionInputs):
+                 aux: AttentionInputs, max_lanes: int | None = None):
         self.spec = spec
         self.bq, self.bk = block_q, block_kv
         self.nq, self.nk = -(-spec.q_len // self.bq), -(-spec.kv_len // self.bk)
@@ -217,9 +234,11 @@ class Tiles:
         elif spec.softmax == "learnable":
             self.sink_logit = sink.astype(self.ct).reshape(1, self.K, 1, self.G, 1)
         self.aux = aux
+        # At most this many query blocks per step (None: all): bounds a step's working set.
+        self.max_lanes = None if max_lanes is None or max_lanes >= self.nq else max_lanes
         classes = masks.block_map(spec, aux, self.bq, self.bk)
         if isinstance(classes, np.ndarray):
-            self.schedule = static_schedule(classes)
+            self.schedule = static_schedule(classes, self.max_lanes)
         else:
             self.schedule = DynamicSchedule(jnp.broadcast_to(classes, (self.B, self.nq, self.nk)))
 
@@ -320,7 +339,8 @@ class Tiles:
         b = self.bias
         if self._per_batch(step):
             rows = jnp.arange(self.B)[:, None] if b.shape[0] > 1 else jnp.zeros((self.B, 1), jnp.int32)
-            tiles = b[rows, :, jnp.arange(self.nq)[None, :], :, step.kv_blocks]  # [B, A, N|1, bq, bk]
+            q, _ = self._tile_index(step)
+            tiles = b[rows, :, q[None, :], :, step.kv_blocks]  # [B, A, N|1, bq, bk]
         elif isinstance(step.q_blocks, slice) and isinstance(step.kv_blocks, int):
             tiles = jnp.moveaxis(b[:, :, step.q_blocks, :, step.kv_blocks], 2, 1)
         else:
@@ -341,7 +361,8 @@ class Tiles:
         ds = ds.reshape(ds.shape[0], ds.shape[1], Nb, self.bq, self.bk)
         if self._per_batch(step):
             rows = jnp.arange(self.B)[:, None] if Bb > 1 else jnp.zeros((self.B, 1), jnp.int32)
-            return dbias.at[rows, :, jnp.arange(self.nq)[None, :], :, step.kv_blocks].add(ds)
+            q, _ = self._tile_index(step)
+            return dbias.at[rows, :, q[None, :], :, step.kv_blocks].add(ds, mode="drop")
         if Bb == 1:
             ds = jnp.sum(ds, axis=0, keepdims=True)
         q, kv = self._tile_index(step)
@@ -417,9 +438,8 @@ class Tiles:
             if table.num_steps <= UNROLL_STEPS:
                 for t in range(table.num_steps):
                     carry = step_fn(table.static_step(t, self.nq), self._after(carry))
-            elif table.shared_kv(self.nq):
-                every = slice(0, self.nq)
-                carry, _ = lax.scan(lambda c, kv: (step_fn(Step(every, kv, table.masked), c), None),
+            elif (run := table.shared_kv()) is not None:
+                carry, _ = lax.scan(lambda c, kv: (step_fn(Step(run, kv, table.masked), c), None),
                                     carry, jnp.asarray(table.kv[:, 0]))
             else:
                 carry, _ = lax.scan(lambda c, x: (step_fn(Step(x[0], x[1], table.masked), c), None),
@@ -433,14 +453,27 @@ class Tiles:
         return carry
 
     def _run_dynamic(self, step_fn, carry):
-        schedule, every = self.schedule, slice(0, self.nq)
+        """All query blocks in every step; or, with max_lanes, groups of max_lanes query blocks
+        one after another (a fori_loop; the last group's lanes past nq are EMPTY, their writes
+        dropped)."""
+        if self.max_lanes is None:
+            return self._run_lanes(self.schedule, slice(0, self.nq), step_fn, carry)
+        lanes = self.max_lanes
 
+        def group(g, carry):
+            q = g * lanes + jnp.arange(lanes, dtype=jnp.int32)
+            return self._run_lanes(self.schedule.lanes(q), q, step_fn, carry)
+
+        return lax.fori_loop(0, -(-self.nq // lanes), group, carry)
+
+    @staticmethod
+    def _run_lanes(schedule: DynamicSchedule, q_blocks, step_fn, carry):
         def body(state):
             t, carry = state
             kv, valid, all_full = schedule.at(t)
             carry = lax.cond(all_full,
-                             lambda c: step_fn(Step(every, kv, masked=False), c),
-                             lambda c: step_fn(Step(every, kv, masked=True, valid=valid), c),
+                             lambda c: step_fn(Step(q_blocks, kv, masked=False), c),
+                             lambda c: step_fn(Step(q_blocks, kv, masked=True, valid=valid), c),
                              carry)
             return t + 1, carry
 
