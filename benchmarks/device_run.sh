@@ -3,7 +3,7 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch> | example
+#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example
 #
 # Optional peers (FlashAttention-3's JAX binding, tokamax) come as wheels in .whl/ (see
 # benchmarks/README.md); without them their rows say "not installed".
@@ -23,10 +23,12 @@ for step in "$@"; do
   step="${step%%=*}"
   echo "=== $step (limit ${limit}s) $(date -u +%T)"
   case "$step" in
-    tests)
+    tests|tests:*)
       # 4 workers share the GPU (compilation is the slow part); each takes a fifth of its memory.
+      select="${step#tests}"; select="${select#:}"
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "$limit" python3 -m pytest -m gpu tests -n 4 -v -rfEs \
-        -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
+        ${select:+-k "$select"} -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 \
+        | tee -a "$OUT/gpu_tests.log" | tail -60 ;;
     explore:*)
       timeout "$limit" python3 benchmarks/explore_chunked.py "${step#explore:}" 2>&1 | tee -a "$OUT/explore.log" ;;
     bench:*)

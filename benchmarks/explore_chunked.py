@@ -1,5 +1,6 @@
 """Diagnosis, not a result: times variants of the chunked backend (tile sizes, unrolling) and
-flashmesh's automatic dispatch against raw cuDNN, interleaved, on a few anchor shapes.
+flashmesh's automatic dispatch against raw cuDNN, interleaved, on a few anchor shapes; `memory`
+prints XLA's memory plan of tutorial 003's packed 64k workload per backend and segment kind.
 Speed claims come from `flashmesh bench` only; this script tells which settings to pick."""
 
 import statistics
@@ -74,8 +75,41 @@ def dispatch_ab(name, B, T, N, K, D, causal):
         print(f"dispatch {name:18s} {mode:6s} flashmesh {a:7.3f} ms cudnn {b:7.3f} ms ratio {a / b:5.3f}", flush=True)
 
 
+def memory_plans():
+    """XLA's plan (arguments, outputs, temporaries) of fwd+bwd at B=2, T=64k, N=128, K=8, D=128,
+    causal window 8192: packed segments vs padding vs none, cudnn and chunked. Compiles only."""
+    from flashmesh.bench.shapes import WORKLOAD_SHAPES, segment_ids_and_positions
+
+    s = WORKLOAD_SHAPES[0]
+    ids, _ = segment_ids_and_positions(s)
+    seg = jnp.broadcast_to(jnp.asarray(ids)[None], (s.B, s.T))
+    bf = jnp.bfloat16
+    q, do = (jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Dqk), bf) for _ in range(2))
+    kv = jax.ShapeDtypeStruct((s.B, s.T, s.K, s.Dqk), bf)
+    segments = {
+        "packed": lambda: flashmesh.SequenceDescriptor.from_segment_ids_and_pos(seg, max_segments=4),
+        "padding": lambda: flashmesh.SequenceDescriptor.from_seqlens(jnp.full((s.B,), s.T - 4096, jnp.int32)),
+        "none": lambda: None,
+    }
+    for impl in ("cudnn", "chunked"):
+        for kind, make_segments in segments.items():
+            mask = "causal" if kind == "none" else "padding_causal"
+            attn = lambda q, k, v: flashmesh.attention(q, k, v, mask=mask, window=s.window,  # noqa: E731
+                                                       segments=make_segments(), implementation=impl)
+            for mode, f, args in (("fwd", jax.jit(attn), (q, kv, kv)), ("fwdbwd", fwd_bwd(attn), (q, kv, kv, do))):
+                try:
+                    m = f.lower(*args).compile().memory_analysis()
+                    gib = lambda x: f"{x / 2**30:6.2f}"  # noqa: E731
+                    print(f"memory {impl:8s} {kind:8s} {mode:6s} args {gib(m.argument_size_in_bytes)} out "
+                          f"{gib(m.output_size_in_bytes)} temp {gib(m.temp_size_in_bytes)} GiB", flush=True)
+                except Exception as e:  # a diagnosis prints what failed and goes on
+                    print(f"memory {impl:8s} {kind:8s} {mode:6s} {type(e).__name__}: {str(e)[:120]}", flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1:] or ["chunked", "dispatch"]
+    if "memory" in what:
+        memory_plans()
     if "dispatch" in what:
         dispatch_ab("full_4k_h16_d128", 4, 4096, 16, 16, 128, False)
         dispatch_ab("causal_8k_h32_d128", 1, 8192, 32, 32, 128, True)
