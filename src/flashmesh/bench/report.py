@@ -32,21 +32,28 @@ MEMORY_TEXT = ("memory is XLA's buffer plan of the compiled call (arguments + ou
 
 # -- metadata ----------------------------------------------------------------------------------------
 def git_commit(path: str | os.PathLike | None = None) -> str:
-    """The commit of the checkout at `path` (default: the working directory), or 'unknown'.
+    """The commit of the checkout at `path` (default: the working directory), with
+    "+modified" when tracked files differ from it, or 'unknown'.
 
-    A copy of the tree without its .git (a remote benchmark machine) can name its commit in
-    FLASHMESH_COMMIT; it is recorded as given, for the report only."""
+    A copy of the tree whose .git is missing or stale (a remote benchmark machine) can name its
+    commit in FLASHMESH_COMMIT; it is recorded as given, for the report only."""
     if os.environ.get("FLASHMESH_COMMIT"):
         return os.environ["FLASHMESH_COMMIT"]
     for where in (path or os.getcwd(), Path(__file__).resolve().parent):
-        try:
-            out = subprocess.run(["git", "-C", str(where), "rev-parse", "--short=12", "HEAD"],
-                                 capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
+        head = _git(where, "rev-parse", "--short=12", "HEAD")
+        if head:
+            changed = _git(where, "status", "--porcelain", "--untracked-files=no")
+            return head + ("+modified" if changed else "")
     return "unknown"
+
+
+def _git(where, *args: str) -> str | None:
+    """git's stripped output in `where`, or None when git fails there."""
+    try:
+        out = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def device_kind() -> str:
