@@ -250,6 +250,13 @@ def test_default_block_sizes():
     assert chunked.BlockSizes.default_for(causal, "cpu") == chunked.BlockSizes(256, 256)
     assert chunked.BlockSizes.default_for(window, "gpu") == chunked.BlockSizes(128, 128)
     assert chunked.BlockSizes.default_for(tiny, "gpu") == chunked.BlockSizes(7, 300)
+    # A long sequence is never one tile; a short one is (codelab_te_2048 and codelab_small).
+    te_2048 = _spec(shape=dict(B=4, T=2048, S=2048, N=8, D=4, Dv=4), mask="causal")
+    assert chunked.BlockSizes.default_for(te_2048, "gpu") == chunked.BlockSizes(1024, 1024)
+    odd = _spec(shape=dict(B=1, T=1000, S=1000, N=1, D=4, Dv=4), mask="none")
+    assert chunked.BlockSizes.default_for(odd, "gpu") == chunked.BlockSizes(512, 512)
+    small = _spec(shape=dict(B=4, T=128, S=128, N=8, D=4, Dv=4), mask="none")
+    assert chunked.BlockSizes.default_for(small, "gpu") == chunked.BlockSizes(128, 128)
     # Tutorial 003's 64k workload: 512-wide tiles would still hold 32 GiB of logits for all 128
     # query blocks, so a step takes 16 of them (4 GiB).
     huge = _spec(shape=dict(B=2, T=65536, S=65536, N=128, D=4, Dv=4), mask="causal")
@@ -331,6 +338,31 @@ def test_64k_packed_workload_plan_is_bounded_with_gpu_blocks():
 
     plan = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile().memory_analysis()
     assert plan.temp_size_in_bytes < 40 * 2**30, f"temp {plan.temp_size_in_bytes / 2**30:.1f} GiB"
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_codelab_te_2048_plan_below_naive_with_gpu_blocks(mode):
+    """The anchor codelab_te_2048 (B=4, T=2048, N=8, D=64, causal) with the GPU's default tiles:
+    XLA's plan (arguments, outputs, temporaries) of chunked is below the naive float32
+    baseline's. On the H200 one 2048 tile planned 1.61 GiB for fwd+bwd against naive's 1.56
+    (benchmarks/results/2026-11-30-nvidia-h200-anchors-3). Compiled on CPU, never run."""
+    from flashmesh.bench import implementations, runner
+    from flashmesh.bench.shapes import Shape
+
+    shape = Shape("codelab_te_2048", B=4, T=2048, N=8, K=8, Dqk=64, mask="causal")
+    x = jax.ShapeDtypeStruct((4, 2048, 8, 64), jnp.bfloat16)
+    args = (x, x, x, None) if mode == "fwd" else (x, x, x, None, x)
+
+    def planned(fn):
+        m = runner._step(fn, mode).lower(*args).compile().memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+
+    def chunked_gpu_tiles(q, k, v, segment_ids=None):
+        inputs, spec = api.normalize(q, k, v, mask="causal")
+        return chunked.attention(inputs, spec, block_sizes=chunked.BlockSizes.default_for(spec, "gpu"))[0]
+
+    naive = implementations.get("naive").build(shape, "bf16", "cpu")
+    assert planned(chunked_gpu_tiles) < 0.75 * planned(naive)
 
 
 # -- GPU (skipped elsewhere): the anchor shapes, with the default GPU block sizes ------------------

@@ -56,6 +56,10 @@ STEP_LOGITS_BYTES = 4 * 2**30
 MIN_CAPPED_BLOCK = 512
 # Narrow windows: tiles about as large as the window's wider side, but no smaller than this.
 MIN_BAND_BLOCK = 64
+# A sequence longer than this is cut into at least two tiles, so no step holds all of its logits
+# (codelab_te_2048, T=2048: one 2048 tile planned as much memory as the naive baseline); a
+# shorter one stays one tile, the fewest kernels where per-call overhead dominates.
+MIN_SPLIT_BLOCK = 512
 
 
 def _next_pow2(x: int) -> int:
@@ -81,8 +85,9 @@ class BlockSizes:
 
     @classmethod
     def default_for(cls, spec: AttentionSpec, platform: str) -> "BlockSizes":
-        """Square tiles of BASE_BLOCK[platform] (256 elsewhere), halved while one step's
-        logits would pass STEP_LOGITS_BYTES, then as many lanes as fit it; for a window bounded on both
+        """Square tiles of BASE_BLOCK[platform] (256 elsewhere), halved while they cover the
+        longer sequence whole (down to MIN_SPLIT_BLOCK) and while one step's logits would pass
+        STEP_LOGITS_BYTES, then as many lanes as fit it; for a window bounded on both
         sides (e.g. the causal sliding window (128, 0)), tiles of the window's wider side
         rounded up to a power of two (at least MIN_BAND_BLOCK): a query block then meets about
         two key blocks, and smaller tiles waste less of them.
@@ -91,6 +96,8 @@ class BlockSizes:
         left, right = spec.window
         if left >= 0 and right >= 0:
             block = min(block, max(MIN_BAND_BLOCK, _next_pow2(max(left, right))))
+        while block > MIN_SPLIT_BLOCK and block >= max(spec.q_len, spec.kv_len):
+            block //= 2
         per_column = 4 * spec.batch * spec.num_heads * _next_pow2(spec.q_len)
         while block > MIN_CAPPED_BLOCK and block * per_column > STEP_LOGITS_BYTES:
             block //= 2
