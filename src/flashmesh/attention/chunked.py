@@ -191,14 +191,19 @@ def _finite(m: jax.Array) -> jax.Array:
 def _forward_tile(tiles: Tiles, step: Step, m, l, acc):
     """One online-softmax update of the active query blocks' (m, l, acc) by their key tiles."""
     s, _ = tiles.logits(step)  # [B, K, A, G, bq, bk]
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    # The very first step of a vanilla softmax starts from nothing (m = -inf, l = 0, acc = 0):
+    # no rescaling, fewer operations (what a one-tile call is made of).
+    fresh = step.first and tiles.sink_logit is None
+    m_new = jnp.max(s, axis=-1) if fresh else jnp.maximum(m, jnp.max(s, axis=-1))
     shift = _finite(m_new)
-    alpha = jnp.exp(m - shift)  # rescales what was accumulated under the old max (0 at first)
     p = jnp.exp(s - shift[..., None])
-    l = alpha * l + jnp.sum(p, axis=-1)
+    l_tile = jnp.sum(p, axis=-1)
     # Dropout acts on the normalised probabilities, so it changes acc but not l.
     p = tiles.dropout(tiles.dropout_keep(step), p)
     kv = tiles.kv_sub(step)
     pv = jnp.einsum(f"bkagqs,bk{kv}sh->bkagqh", p.astype(tiles.mm_dtype), tiles.kv_tiles(tiles.v, step),
                     preferred_element_type=tiles.ct)
-    return m_new, l, alpha[..., None] * acc + pv
+    if fresh:
+        return m_new, l_tile, pv
+    alpha = jnp.exp(m - shift)  # rescales what was accumulated under the old max (0 at first)
+    return m_new, alpha * l + l_tile, alpha[..., None] * acc + pv

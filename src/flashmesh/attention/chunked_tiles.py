@@ -52,12 +52,14 @@ class Step:
       array (nk = no tile), or, for dynamic maps, a traced [B, A] array.
     masked: whether the tiles need the element mask.
     valid: dynamic maps only, [B, A]: tiles that are real (the others are masked out entirely).
+    first: no step ran before this one, so the running state is still the initial one.
     """
 
     q_blocks: slice | np.ndarray | jax.Array
     kv_blocks: int | slice | np.ndarray | jax.Array
     masked: bool
     valid: jax.Array | None = None
+    first: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -434,10 +436,16 @@ class Tiles:
         """carry after `carry = step_fn(step, carry)` for every step of the schedule."""
         if isinstance(self.schedule, DynamicSchedule):
             return self._run_dynamic(step_fn, carry)
-        for table in self.schedule:
+        for i, table in enumerate(self.schedule):
             if table.num_steps <= UNROLL_STEPS:
                 for t in range(table.num_steps):
-                    carry = step_fn(table.static_step(t, self.nq), self._after(carry))
+                    # The first step follows nothing: a barrier there would only stop XLA
+                    # fusing the layout changes of q, k and v into it.
+                    step = table.static_step(t, self.nq)
+                    if i == t == 0:
+                        carry = step_fn(dataclasses.replace(step, first=True), carry)
+                    else:
+                        carry = step_fn(step, self._after(carry))
             elif (run := table.shared_kv()) is not None:
                 carry, _ = lax.scan(lambda c, kv: (step_fn(Step(run, kv, table.masked), c), None),
                                     carry, jnp.asarray(table.kv[:, 0]))
