@@ -88,6 +88,9 @@ def test_bad_arguments_are_one_line_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--implementations", "xla,warp9"])
     assert "warp9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--rounds", "0"])
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_list_and_module_entry_point():

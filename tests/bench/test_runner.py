@@ -99,6 +99,40 @@ def test_out_of_memory_is_a_row_and_larger_shapes_are_skipped(monkeypatch):
     assert "T8" in rows[1].reason
 
 
+def test_rows_of_a_shape_and_mode_are_timed_together(monkeypatch):
+    from flashmesh.bench import timing
+
+    batches = []
+    real = timing.time_interleaved
+    monkeypatch.setattr(timing, "time_interleaved",
+                        lambda calls, **kw: batches.append(len(calls)) or real(calls, **kw))
+    group = Group("g", "g", (GQA_BR,), ("naive", "xla", "flashmesh:reference"), modes=("fwd", "fwdbwd"))
+    rows = runner.run(Preset("p", "", (group,)), CFG)
+    # xla refuses bottom-right causal: two rows per mode are timed, in one interleaved batch
+    assert [r.status for r in rows] == [runner.OK, runner.UNSUPPORTED, runner.OK] * 2
+    assert batches == [2, 2]
+
+
+def test_a_row_failing_while_timed_fails_alone(monkeypatch):
+    from flashmesh.bench import timing
+
+    real = timing._timed_call
+    seen = []
+
+    def flaky(compiled, args):  # every call of the second row fails
+        if compiled not in seen:
+            seen.append(compiled)
+        if len(seen) > 1 and compiled is seen[1]:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while timing")
+        return real(compiled, args)
+
+    monkeypatch.setattr(timing, "_timed_call", flaky)
+    group = Group("g", "g", (GQA_BR,), ("naive", "flashmesh:reference"), modes=("fwd",))
+    rows = runner.run(Preset("p", "", (group,)), CFG)
+    assert [r.status for r in rows] == [runner.OK, runner.OOM]
+    assert rows[1].error is not None and rows[1].ms is None
+
+
 def test_candidate_labels():
     assert Candidate.parse("xla@bf16") == Candidate("xla", "bf16")
     assert Candidate.parse("flashmesh:reference").label == "flashmesh:reference"

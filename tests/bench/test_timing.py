@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flashmesh.bench import Timing, speedometer, time_fn
+from flashmesh.bench import Timing, speedometer, time_fn, time_interleaved, timing
 
 
 def test_time_fn_on_a_callable():
@@ -33,6 +33,20 @@ def test_time_fn_caps_slow_rows_and_rejects_bad_counts():
     assert t.iters == 3  # at least three, however slow
     with pytest.raises(ValueError, match="iters"):
         time_fn(lambda a: a, x, iters=0)
+
+
+def test_time_interleaved_alternates_calls_in_rounds(monkeypatch):
+    x = jnp.ones((4,))
+    a, b = (jax.jit(f).lower(x).compile() for f in (lambda v: v + 1.0, lambda v: v * 2.0))
+    order = []
+    real = timing._timed_call
+    monkeypatch.setattr(timing, "_timed_call", lambda c, args: order.append("ab"[c is b]) or real(c, args))
+    ta, tb = time_interleaved([(a, (x,)), (b, (x,))], warmup=0, iters=7, rounds=3)
+    assert ta.iters == tb.iters == 7
+    # one untimed probe each, then rounds of 2, 2 and 3 calls of each in turn
+    assert "".join(order) == "ab" + "aabb" + "aabb" + "aaabbb"
+    with pytest.raises(ValueError, match="rounds"):
+        time_interleaved([(a, (x,))], rounds=0)
 
 
 class TinyAttention(nn.Module):

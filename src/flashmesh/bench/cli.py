@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, help="untimed calls per row (default 3 on a GPU, 2 on a CPU, --quick 1)")
     bench.add_argument("--iters", type=int,
                        help="timed calls per row, median reported (default 20 on a GPU, 10 on a CPU, --quick 5)")
+    bench.add_argument("--rounds", type=int, default=5,
+                       help="the rows of one shape and mode are timed in this many interleaved rounds, "
+                            "so that drift hits them alike (default 5)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--no-progress", action="store_true", help="no live progress bar")
     return parser
@@ -161,6 +164,10 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
         list_everything(platform)
         return 0
     try:
+        for name, least in (("warmup", 0), ("iters", 1), ("rounds", 1)):
+            value = getattr(args, name)
+            if value is not None and value < least:
+                raise ValueError(f"--{name} must be >= {least}, got {value}")
         plan = make_plan(args, platform)
     except ValueError as e:  # user mistakes: one line, naming the argument
         if parser is None:
@@ -172,7 +179,7 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
         dtype=args.dtype or ("bf16" if platform == "gpu" else "f32"),
         warmup=args.warmup if args.warmup is not None else warmup,
         iters=args.iters if args.iters is not None else iters,
-        max_seconds=max_seconds, progress=not args.no_progress)
+        max_seconds=max_seconds, rounds=args.rounds, progress=not args.no_progress)
     if plan.name == "anchors" and platform != "gpu":
         console.print("[yellow]the anchors preset is sized for a GPU; on a CPU it takes very long[/]")
     meta = report.metadata(plan, config, argv)

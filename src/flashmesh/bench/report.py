@@ -23,8 +23,9 @@ from flashmesh.bench.runner import Result
 from flashmesh.bench.shapes import Preset
 
 TIMING_TEXT = ("each row is compiled ahead of time, run once and compared with the float32 "
-               "reference, then warmed up and timed call by call (each call ended by "
-               "jax.block_until_ready); ms is the median")
+               "reference, then warmed up; the rows of one shape and mode are timed together in "
+               "interleaved rounds, call by call (each call ended by jax.block_until_ready); "
+               "ms is the median over all rounds")
 MEMORY_TEXT = ("memory is XLA's buffer plan of the compiled call (arguments + outputs + "
                "temporaries); device_peak_bytes in the json is the device's high-water mark "
                "(device.memory_stats(), process-wide) where the device reports it")
@@ -78,7 +79,7 @@ def metadata(preset: Preset, config: runner.RunConfig, argv: list[str] | None = 
         flashmesh_version=flashmesh.__version__, python=py_platform.python_version(),
         flop_formula=flops.FORMULA_TEXT, tolerances=checks.TOLERANCE, timing=TIMING_TEXT,
         memory=MEMORY_TEXT, default_dtype=config.dtype, warmup=config.warmup, iters=config.iters,
-        max_seconds_per_row=config.max_seconds)
+        max_seconds_per_row=config.max_seconds, rounds=config.rounds)
 
 
 def results_dir(out: str | os.PathLike, meta: dict) -> Path:

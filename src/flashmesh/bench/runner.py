@@ -1,11 +1,13 @@
-"""The measurement loop: for every shape x mode x implementation, check, then time.
+"""The measurement loop: for every shape x mode, check every implementation, then time them.
 
 Each row: build the implementation for the shape (a refusal is a row), compile the jitted call
 (forward: out; forward+backward: out and the gradients of q, k, v, so the forward is never
-dead code), run it once and compare with the float32 reference (`checks.py`), and only if it
-matches time it (`timing.py`). Every exception becomes a row with its reason (unsupported, not
-installed, out of memory, error); nothing stops the sweep. An implementation that ran out of
-memory is not tried again on larger shapes of the same group (the row says so).
+dead code), run it once and compare with the float32 reference (`checks.py`). The rows of one
+shape and mode that match are then timed together, in interleaved rounds
+(`timing.time_interleaved`), so that drift of the device hits all of them alike and their
+ratios (flashmesh against raw cuDNN) are sharp. Every exception becomes a row with its reason
+(unsupported, not installed, out of memory, error); nothing stops the sweep. An implementation
+that ran out of memory is not tried again on larger shapes of the same group (the row says so).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class RunConfig:
 
     dtype: input dtype of implementations named without "@dtype".
     warmup, iters: untimed and timed calls per row; max_seconds: time fewer calls (at least 3)
-      when `iters` would take longer than this.
+      when `iters` would take longer than this; rounds: the rows of one shape and mode take
+      turns this many times (each time a share of their calls).
     reference_budget_bytes: memory the float32 reference may use (None: a quarter of the
       device's memory where known, else 2 GiB); beyond it the reference runs on a slice.
     """
@@ -42,6 +45,7 @@ class RunConfig:
     warmup: int = 3
     iters: int = 20
     max_seconds: float | None = 10.0
+    rounds: int = 5
     reference_budget_bytes: float | None = None
     seed: int = 2026
     progress: bool = True
@@ -177,9 +181,18 @@ class _ShapeState:
         return self.references[key]
 
 
-def measure(group: str, shape: Shape, candidate: Candidate, mode: str, state: _ShapeState,
-            config: RunConfig, device_platform: str) -> Result:
-    """One row: build, compile, check against the reference, then time."""
+@dataclasses.dataclass
+class _Ready:
+    """A row that compiled and matched the reference, waiting to be timed."""
+
+    fields: dict  # the Result's fields so far
+    compiled: jax.stages.Compiled
+    args: tuple
+
+
+def prepare(group: str, shape: Shape, candidate: Candidate, mode: str, state: _ShapeState,
+            config: RunConfig, device_platform: str) -> Result | _Ready:
+    """Build, compile and check one row: a `Result` if it failed, else the row ready to time."""
     dtype = candidate.dtype or config.dtype
     row = dict(group=group, shape=shape, implementation=candidate.name, label=candidate.label,
                dtype=dtype, mode=mode, flops=flops.attention_flops(shape, mode))
@@ -192,31 +205,56 @@ def measure(group: str, shape: Shape, candidate: Candidate, mode: str, state: _S
             compiled, compile_s = timing.compile_fn(_step(fn, mode), *args)
 
         sl, ref, checked_against = state.reference(dtype, mode)
-        error = rel = None
-        tolerance = checks.TOLERANCE[dtype]
-        if sl is not None:
-            check_args = args if mode == "fwd" else (q, k, v, seg, checks.cotangent_for_check(sl, shape, do))
-            outs = compiled(*check_args)
-            got = checks.slice_outputs(sl, shape, outs[0], outs[1:] if mode == "fwdbwd" else None)
-            error, rel = checks.compare(got, ref)
-            del outs, got
-            if not error <= tolerance:
-                return Result(**row, status=WRONG, error=error, rel_l2_error=rel, tolerance=tolerance,
-                              checked_against=checked_against, compile_s=compile_s,
-                              detail=getattr(fn, "detail", ""),
-                              reason=f"error {error:.2e} > tolerance {tolerance:.0e} against {checked_against}")
-        t = timing.time_fn(compiled, *args, warmup=config.warmup, iters=config.iters,
-                           max_seconds=config.max_seconds)
-        status = OK if sl is not None else UNCHECKED
-        return Result(**row, status=status, reason="" if status == OK else checked_against,
-                      detail=getattr(fn, "detail", ""),
-                      ms=t.median_ms, ms_min=t.min_ms, iters=t.iters, compile_s=compile_s,
-                      tflops=flops.tflops_per_s(row["flops"], t.median_ms), memory_bytes=t.memory_bytes,
-                      device_peak_bytes=t.device_peak_bytes, error=error, rel_l2_error=rel,
-                      tolerance=tolerance, checked_against=checked_against)
+        row.update(compile_s=compile_s, detail=getattr(fn, "detail", ""),
+                   tolerance=checks.TOLERANCE[dtype], checked_against=checked_against)
+        if sl is None:
+            return _Ready(dict(row, status=UNCHECKED, reason=checked_against), compiled, args)
+        check_args = args if mode == "fwd" else (q, k, v, seg, checks.cotangent_for_check(sl, shape, do))
+        outs = compiled(*check_args)
+        got = checks.slice_outputs(sl, shape, outs[0], outs[1:] if mode == "fwdbwd" else None)
+        row["error"], row["rel_l2_error"] = checks.compare(got, ref)
+        del outs, got
+        if not row["error"] <= row["tolerance"]:
+            return Result(**row, status=WRONG, reason=f"error {row['error']:.2e} > tolerance "
+                          f"{row['tolerance']:.0e} against {checked_against}")
+        return _Ready(dict(row, status=OK), compiled, args)
     except Exception as e:  # a failing row is a row, never a crash of the sweep
         status, reason = classify(e)
-        return Result(**row, status=status, reason=reason)
+        return Result(**{k: row[k] for k in ("group", "shape", "implementation", "label", "dtype",
+                                              "mode", "flops")}, status=status, reason=reason)
+
+
+def time_rows(ready: list[_Ready], config: RunConfig) -> list[Result]:
+    """Time rows of one shape and mode together, in `config.rounds` interleaved rounds."""
+    try:
+        timings = timing.time_interleaved([(r.compiled, r.args) for r in ready], warmup=config.warmup,
+                                          iters=config.iters, rounds=config.rounds,
+                                          max_seconds=config.max_seconds)
+    except Exception:  # one failing call: time each alone, so only that row says why
+        if len(ready) == 1:
+            raise
+        return [result for r in ready for result in _time_alone(r, config)]
+    return [Result(**r.fields, ms=t.median_ms, ms_min=t.min_ms, iters=t.iters,
+                   tflops=flops.tflops_per_s(r.fields["flops"], t.median_ms),
+                   memory_bytes=t.memory_bytes, device_peak_bytes=t.device_peak_bytes)
+            for r, t in zip(ready, timings)]
+
+
+def _time_alone(r: _Ready, config: RunConfig) -> list[Result]:
+    try:
+        return time_rows([r], config)
+    except Exception as e:
+        status, reason = classify(e)
+        keep = ("group", "shape", "implementation", "label", "dtype", "mode", "flops", "compile_s",
+                "error", "rel_l2_error", "tolerance", "checked_against", "detail")
+        return [Result(**{k: r.fields[k] for k in keep if k in r.fields}, status=status, reason=reason)]
+
+
+def measure(group: str, shape: Shape, candidate: Candidate, mode: str, state: _ShapeState,
+            config: RunConfig, device_platform: str) -> Result:
+    """One row on its own: build, compile, check against the reference, then time."""
+    row = prepare(group, shape, candidate, mode, state, config, device_platform)
+    return row if isinstance(row, Result) else _time_alone(row, config)[0]
 
 
 def plan_size(preset: Preset) -> int:
@@ -242,18 +280,23 @@ def _run_group(group: Group, config, budget, device_platform, advance, on_result
     for shape in group.shapes:
         state = _ShapeState(shape, config, budget)
         for mode in group.modes:
+            rows: list[Result | _Ready] = []
             for candidate in candidates:
                 advance(f"{shape.name} · {candidate.label} · {mode}")
                 failed = oom_at.get((candidate.label, mode))
                 if failed is not None and shape.logits_per_row >= failed.logits_per_row:
-                    result = Result(group.name, shape, candidate.name, candidate.label,
-                                    candidate.dtype or config.dtype, mode, SKIPPED,
-                                    reason=f"out of memory already at {failed.name}",
-                                    flops=flops.attention_flops(shape, mode))
+                    rows.append(Result(group.name, shape, candidate.name, candidate.label,
+                                       candidate.dtype or config.dtype, mode, SKIPPED,
+                                       reason=f"out of memory already at {failed.name}",
+                                       flops=flops.attention_flops(shape, mode)))
                 else:
-                    result = measure(group.name, shape, candidate, mode, state, config, device_platform)
-                    if result.status == OOM:
-                        oom_at[(candidate.label, mode)] = shape
+                    rows.append(prepare(group.name, shape, candidate, mode, state, config, device_platform))
+            ready = [r for r in rows if isinstance(r, _Ready)]
+            timed = iter(time_rows(ready, config) if ready else [])
+            for row in rows:
+                result = next(timed) if isinstance(row, _Ready) else row
+                if result.status == OOM:
+                    oom_at[(result.label, mode)] = shape
                 results.append(result)
                 if on_result is not None:
                     on_result(result)

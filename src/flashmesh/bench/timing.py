@@ -5,6 +5,10 @@ timed), run `warmup` calls, then time `iters` calls one at a time, each ended by
 `jax.block_until_ready` (JAX dispatches asynchronously; without the wait a loop times the
 dispatch, not the work), and report the median (robust to the odd slow call).
 
+`time_interleaved([(fn, args), ...])`: the same for several calls timed against each other in
+rounds (each round calls each of them in turn), so that drift of clocks, temperature or other
+load hits all of them alike: the ratio of two calls is then sharper than from back-to-back runs.
+
 Memory: `memory_bytes` is XLA's buffer plan of the compiled call (arguments + outputs +
 temporaries - aliased), exact for what the call allocates and comparable between rows.
 `device_peak_bytes` is the device's high-water mark from `device.memory_stats()` (GPUs), a
@@ -17,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -89,20 +93,46 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20,
       >>> t = time_fn(lambda x: x @ x, jnp.ones((512, 512)), iters=10)
       >>> t.median_ms
     """
-    if warmup < 0 or iters < 1:
-        raise ValueError(f"warmup={warmup} must be >= 0 and iters={iters} >= 1")
-    compiled, compile_s = compile_fn(fn, *args)
-    for _ in range(max(warmup, 1)):  # at least one: first calls pay one-time costs
-        jax.block_until_ready(compiled(*args))
-    times = []
-    n = iters
-    while len(times) < n:
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-        if len(times) == 1 and max_seconds is not None:
-            n = min(iters, max(3, int(max_seconds * 1e3 / max(times[0], 1e-6))))
-    return Timing(median_ms=float(statistics.median(times)), mean_ms=float(statistics.fmean(times)),
-                  min_ms=float(min(times)), iters=len(times), compile_s=compile_s,
-                  memory_bytes=memory_bytes(compiled), device_peak_bytes=device_peak_bytes(),
-                  times_ms=tuple(times))
+    return time_interleaved([(fn, args)], warmup=warmup, iters=iters, rounds=1,
+                            max_seconds=max_seconds)[0]
+
+
+def _timed_call(compiled, args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_interleaved(calls: Sequence[tuple[Callable, tuple]], *, warmup: int = 3, iters: int = 20,
+                     rounds: int = 5, max_seconds: float | None = None) -> list[Timing]:
+    """Time several calls `fn(*args)` against each other: compile each, warm each up, then in
+    each of `rounds` rounds call each one in turn (its share of `iters` calls, each ended by
+    `jax.block_until_ready`). A `Timing` per call, in order, over all its rounds.
+
+    max_seconds: per call; one that would take longer than this for `iters` calls gets fewer
+    (at least 3, the untimed probe call telling how long one takes).
+
+    Example (is b's dispatch free? compare it with a on the same inputs):
+      >>> ta, tb = time_interleaved([(a, (x,)), (b, (x,))])
+      >>> tb.median_ms / ta.median_ms
+    """
+    if warmup < 0 or iters < 1 or rounds < 1:
+        raise ValueError(f"warmup={warmup} must be >= 0, iters={iters} >= 1 and rounds={rounds} >= 1")
+    compiled = [compile_fn(fn, *args) for fn, args in calls]
+    counts = []
+    for (c, _), (_, args) in zip(compiled, calls):
+        for _ in range(warmup):
+            jax.block_until_ready(c(*args))
+        probe = _timed_call(c, args)  # untimed: also the warm-up a warmup=0 caller skipped
+        n = iters if max_seconds is None else min(iters, max(3, int(max_seconds * 1e3 / max(probe, 1e-6))))
+        counts.append(n)
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(rounds):
+        for i, ((c, _), (_, args)) in enumerate(zip(compiled, calls)):
+            share = counts[i] * (r + 1) // rounds - counts[i] * r // rounds
+            times[i] += [_timed_call(c, args) for _ in range(share)]
+    return [Timing(median_ms=float(statistics.median(t)), mean_ms=float(statistics.fmean(t)),
+                   min_ms=float(min(t)), iters=len(t), compile_s=compile_s,
+                   memory_bytes=memory_bytes(c), device_peak_bytes=device_peak_bytes(),
+                   times_ms=tuple(t))
+            for (c, compile_s), t in zip(compiled, times)]
