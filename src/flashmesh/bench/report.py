@@ -203,7 +203,7 @@ def markdown(meta: dict, preset: Preset, results: list[Result], plots: dict[str,
         "",
         "How to read this report:",
         "",
-        f"- **ms**: {meta['timing']} ({meta['warmup']} warm-up calls, up to {meta['iters']} timed).",
+        f"- **ms**: {meta['timing']} ({meta['warmup']} warm-up calls, up to {meta['iters']} timed in {meta.get('rounds', 1)} rounds).",
         f"- **TFLOP/s**: {meta['flop_formula']}. Masked pairs are not counted, so a kernel gets "
         "no credit for work the mask throws away.",
         f"- **error**: max |x - ref| / max |ref| against flashmesh's float32 reference, over the output "
