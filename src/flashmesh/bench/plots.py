@@ -8,6 +8,7 @@ an implementation that ran out of memory says from where in the legend.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -41,18 +42,23 @@ def _tokens(x, _pos=None) -> str:
     return f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x)
 
 
-def _log_y(ax, values) -> None:
-    """Log y axis with plain numbers (50, 200, not 5x10^1); minor ticks labelled when the range
-    spans less than two decades, where there would be too few major ticks to read."""
-    import math
+def _minor_label(y: float, every: bool) -> str:
+    """A minor tick's label: every one, or only 2x and 5x a power of ten (0.2, 0.5, 20, 50)."""
+    mantissa = y / 10 ** math.floor(math.log10(y) + 1e-9)
+    return f"{y:g}" if every or any(abs(mantissa - m) < 1e-6 for m in (2, 5)) else ""
 
+
+def _log_y(ax, values) -> None:
+    """Log y axis with plain numbers (50, 200, not 5x10^1). Within a decade, every minor tick
+    is labelled; within two, those at 2x and 5x (all of them would overlap); beyond, none."""
     from matplotlib.ticker import NullFormatter
 
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda y, _pos=None: f"{y:g}")
-    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos=None: f"{y:g}"))
     lo, hi = min(values), max(values)
-    ax.yaxis.set_minor_formatter(plain if math.log10(hi / max(lo, 1e-12)) < 2 else NullFormatter())
+    decades = math.log10(hi / max(lo, 1e-12))
+    minor = FuncFormatter(lambda y, _pos=None: _minor_label(y, every=decades < 1))
+    ax.yaxis.set_minor_formatter(minor if decades < 2 else NullFormatter())
 
 
 def _fixed_dims(group: Group) -> str:
