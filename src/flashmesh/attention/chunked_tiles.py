@@ -18,6 +18,10 @@ Static block map (no segments, implicit positions), known at trace time:
 Dynamic block map (segments or explicit positions): `DynamicSchedule` gives each query block the
 range of key blocks its non-empty tiles lie in; a `lax.while_loop` runs as many steps as the
 longest range and a `lax.cond` skips the mask arithmetic of steps whose tiles are all FULL.
+
+Lanes: a step's working set grows with its lanes (logits [B, K, lanes, G, bq, bk]). With
+`max_lanes`, a static table is cut into tables of at most that many lanes, and a dynamic
+schedule runs groups of that many query blocks one after another (a `lax.fori_loop`).
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ class DynamicSchedule:
         return DynamicSchedule(jnp.take(self.classes, q, axis=1, mode="fill", fill_value=masks.EMPTY))
 
     def at(self, t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(key block [B, nq], valid [B, nq], every tile valid and FULL) of step t."""
+        """(key block [B, A], valid [B, A], every tile valid and FULL) of step t."""
         kv = jnp.minimum(self.lo + t, self.classes.shape[-1] - 1)
         cls = jnp.take_along_axis(self.classes, kv[..., None], axis=-1)[..., 0]
         valid = (t < self.count) & (cls != masks.EMPTY)
