@@ -183,9 +183,9 @@ class _ShapeState:
 
 @dataclasses.dataclass
 class _Ready:
-    """A row that compiled and matched the reference, waiting to be timed."""
+    """A row that compiled and was checked, waiting to be timed."""
 
-    fields: dict  # the Result's fields so far
+    fields: dict  # the Result's fields so far, status and reason included
     compiled: jax.stages.Compiled
     args: tuple
 
@@ -217,44 +217,35 @@ def prepare(group: str, shape: Shape, candidate: Candidate, mode: str, state: _S
         if not row["error"] <= row["tolerance"]:
             return Result(**row, status=WRONG, reason=f"error {row['error']:.2e} > tolerance "
                           f"{row['tolerance']:.0e} against {checked_against}")
-        return _Ready(dict(row, status=OK), compiled, args)
+        return _Ready(dict(row, status=OK, reason=""), compiled, args)
     except Exception as e:  # a failing row is a row, never a crash of the sweep
         status, reason = classify(e)
-        return Result(**{k: row[k] for k in ("group", "shape", "implementation", "label", "dtype",
-                                              "mode", "flops")}, status=status, reason=reason)
+        return Result(**row, status=status, reason=reason)
 
 
 def time_rows(ready: list[_Ready], config: RunConfig) -> list[Result]:
-    """Time rows of one shape and mode together, in `config.rounds` interleaved rounds."""
+    """Time rows of one shape and mode together, in `config.rounds` interleaved rounds. If a
+    call fails, each row is timed alone, so that only the failing one says why."""
     try:
         timings = timing.time_interleaved([(r.compiled, r.args) for r in ready], warmup=config.warmup,
                                           iters=config.iters, rounds=config.rounds,
                                           max_seconds=config.max_seconds)
-    except Exception:  # one failing call: time each alone, so only that row says why
-        if len(ready) == 1:
-            raise
-        return [result for r in ready for result in _time_alone(r, config)]
+    except Exception as e:  # a failing row is a row, never a crash of the sweep
+        if len(ready) > 1:
+            return [result for r in ready for result in time_rows([r], config)]
+        status, reason = classify(e)
+        return [Result(**dict(ready[0].fields, status=status, reason=reason))]
     return [Result(**r.fields, ms=t.median_ms, ms_min=t.min_ms, iters=t.iters,
                    tflops=flops.tflops_per_s(r.fields["flops"], t.median_ms),
                    memory_bytes=t.memory_bytes, device_peak_bytes=t.device_peak_bytes)
             for r, t in zip(ready, timings)]
 
 
-def _time_alone(r: _Ready, config: RunConfig) -> list[Result]:
-    try:
-        return time_rows([r], config)
-    except Exception as e:
-        status, reason = classify(e)
-        keep = ("group", "shape", "implementation", "label", "dtype", "mode", "flops", "compile_s",
-                "error", "rel_l2_error", "tolerance", "checked_against", "detail")
-        return [Result(**{k: r.fields[k] for k in keep if k in r.fields}, status=status, reason=reason)]
-
-
 def measure(group: str, shape: Shape, candidate: Candidate, mode: str, state: _ShapeState,
             config: RunConfig, device_platform: str) -> Result:
     """One row on its own: build, compile, check against the reference, then time."""
     row = prepare(group, shape, candidate, mode, state, config, device_platform)
-    return row if isinstance(row, Result) else _time_alone(row, config)[0]
+    return row if isinstance(row, Result) else time_rows([row], config)[0]
 
 
 def plan_size(preset: Preset) -> int:
