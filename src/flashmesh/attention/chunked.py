@@ -137,20 +137,24 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
     return _chunked(spec, blocks, inputs.q, inputs.k, inputs.v, inputs.bias, inputs.sink, aux)
 
 
+def _tiles(spec, blocks: BlockSizes, q, k, v, bias, sink, aux) -> Tiles:
+    return Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux, blocks.lanes)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _chunked(spec, blocks, q, k, v, bias, sink, aux):
-    return _forward(Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux, blocks.lanes))
+    return _forward(_tiles(spec, blocks, q, k, v, bias, sink, aux))
 
 
 def _chunked_fwd(spec, blocks, q, k, v, bias, sink, aux):
-    out, lse = _forward(Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux, blocks.lanes))
+    out, lse = _forward(_tiles(spec, blocks, q, k, v, bias, sink, aux))
     return (out, lse), (q, k, v, bias, sink, aux, out, lse)
 
 
 def _chunked_bwd(spec, blocks, residuals, cotangents):
     q, k, v, bias, sink, aux, out, lse = residuals
     g_out, g_lse = cotangents
-    tiles = Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux, blocks.lanes)
+    tiles = _tiles(spec, blocks, q, k, v, bias, sink, aux)
     dq, dk, dv, dbias, dsink = chunked_vjp.backward(tiles, out, lse, g_out, g_lse)
     return dq, dk, dv, dbias, dsink, None  # aux: segment ids, positions, seed (integers)
 
