@@ -375,6 +375,8 @@ ANCHORS = [
     ("causal_8k_h32_d128", 1, 8192, 32, 32, 128, 128, "causal", None),
     ("causal_8k_h32_d64", 1, 8192, 32, 32, 64, 64, "causal", None),
     ("gqa_causal_16k", 1, 16384, 64, 8, 128, 128, "causal", None),
+    ("codelab_small", 4, 128, 8, 8, 64, 64, "none", None),
+    ("codelab_te_2048", 4, 2048, 8, 8, 64, 64, "causal", None),
 ]
 
 
