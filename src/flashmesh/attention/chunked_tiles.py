@@ -82,10 +82,9 @@ class Table:
     def shared_kv(self) -> slice | None:
         """The query blocks, as a slice, if every step has the same consecutive run of them
         meeting one key block (a full or causal map's FULL tiles); else None."""
-        first = self.q[0]
-        consecutive = len(first) and (np.diff(first) == 1).all()
-        if consecutive and (self.q == first).all() and (self.kv == self.kv[:, :1]).all():
-            return slice(int(first[0]), int(first[-1]) + 1)
+        run = _compact_rows(self.q[0])
+        if isinstance(run, slice) and (self.q == self.q[0]).all() and (self.kv == self.kv[:, :1]).all():
+            return run
         return None
 
     def lane_groups(self, max_lanes: int | None) -> list["Table"]:

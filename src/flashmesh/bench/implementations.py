@@ -40,13 +40,14 @@ class Implementation:
     kind: str  # "baseline", "jax", "flashmesh", "module" or "peer"
     description: str
     build: Callable[[Shape, str, str], AttentionFn]  # (shape, dtype name, platform) -> f
-    # Code that is not flashmesh's is traced under standard dtype promotion: jax 0.11.2's
-    # jax.nn xla path mixes bf16 with float32 constants, which strict promotion rejects.
-    standard_promotion: bool = False
 
     def tracing(self) -> contextlib.AbstractContextManager:
-        """The context to trace this implementation's functions in."""
-        return jax.numpy_dtype_promotion("standard") if self.standard_promotion else contextlib.nullcontext()
+        """The context to trace this implementation's functions in. Code that is not ours (jax.nn,
+        peers) runs under standard dtype promotion, as its users call it: jax 0.11.2's jax.nn xla
+        path mixes bf16 with float32 constants, which strict promotion rejects."""
+        if self.kind in ("jax", "peer"):
+            return jax.numpy_dtype_promotion("standard")
+        return contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,17 +256,15 @@ def _tokamax(impl: str):
 
 IMPLEMENTATIONS: dict[str, Implementation] = {impl.name: impl for impl in (
     Implementation("naive", "baseline", "plain JAX, float32, full logits matrix", _naive),
-    Implementation("xla", "jax", "jax.nn.dot_product_attention(implementation='xla')", _jax_nn("xla"),
-                   standard_promotion=True),
-    Implementation("cudnn", "jax", "jax.nn.dot_product_attention(implementation='cudnn')", _jax_nn("cudnn"),
-                   standard_promotion=True),
+    Implementation("xla", "jax", "jax.nn.dot_product_attention(implementation='xla')", _jax_nn("xla")),
+    Implementation("cudnn", "jax", "jax.nn.dot_product_attention(implementation='cudnn')", _jax_nn("cudnn")),
     Implementation("flashmesh", "flashmesh", "flashmesh.attention, automatic choice", _flashmesh(None)),
     Implementation("module", "module", "flashmesh.te.flax.DotProductAttention (Flax)", _module),
-    Implementation("fa3", "peer", "FlashAttention-3, flash_attn3_jax.flash_mha", _fa3, standard_promotion=True),
+    Implementation("fa3", "peer", "FlashAttention-3, flash_attn3_jax.flash_mha", _fa3),
     Implementation("tokamax:mosaic", "peer", "tokamax.dot_product_attention(implementation='mosaic')",
-                   _tokamax("mosaic"), standard_promotion=True),
+                   _tokamax("mosaic")),
     Implementation("tokamax:triton", "peer", "tokamax.dot_product_attention(implementation='triton')",
-                   _tokamax("triton"), standard_promotion=True),
+                   _tokamax("triton")),
 )}
 
 
