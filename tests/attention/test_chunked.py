@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashmesh.attention import api, chunked, chunked_tiles, masks, reference
+from flashmesh.attention import api, chunked, chunked_tiles, masks, reference, varying
 from flashmesh.attention.sequence import SequenceDescriptor as SD
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, compute_dtype
 
@@ -85,6 +85,8 @@ def _value_and_grads(impls, inputs, spec, seed=1):
     g_out = _normal(rng, (spec.batch, spec.q_len, spec.num_heads, spec.v_dim), jnp.bfloat16).astype(inputs.q.dtype)
     g_lse = _normal(rng, (spec.batch, spec.num_heads, spec.q_len), jnp.bfloat16).astype(
         compute_dtype(inputs.q.dtype))
+    # Under shard_map (test_chunked_shard_map) the cotangents vary like the outputs.
+    g_out, g_lse = varying.like((g_out, g_lse), varying.varying_axes(inputs))
 
     def one(impl, inputs):
         def f(q, k, v, bias, sink):

@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from flashmesh.attention import chunked_vjp
+from flashmesh.attention import chunked_vjp, varying
 from flashmesh.attention.chunked_tiles import Step, Tiles
 from flashmesh.attention.registry import current_platform
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
@@ -134,7 +134,11 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
     aux = AttentionInputs(q=None, k=None, v=None, q_segment_ids=inputs.q_segment_ids,
                           kv_segment_ids=inputs.kv_segment_ids, q_positions=inputs.q_positions,
                           kv_positions=inputs.kv_positions, dropout_seed=inputs.dropout_seed)
-    return _chunked(spec, blocks, inputs.q, inputs.k, inputs.v, inputs.bias, inputs.sink, aux)
+    # Under shard_map, the differentiable inputs enter the custom VJP varying along every manual
+    # axis any input varies along: its backward then returns gradients of their types, and
+    # JAX's own transpose of that cast sums the gradient of a replicated input over the axes.
+    diff = varying.like((inputs.q, inputs.k, inputs.v, inputs.bias, inputs.sink), varying.varying_axes(inputs))
+    return _chunked(spec, blocks, *diff, aux)
 
 
 def _tiles(spec, blocks: BlockSizes, q, k, v, bias, sink, aux) -> Tiles:

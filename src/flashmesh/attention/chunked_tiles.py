@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from flashmesh.attention import masks
+from flashmesh.attention import masks, varying
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec, compute_dtype
 
 # Tables with at most this many steps are unrolled with static indices (contiguous slices
@@ -87,13 +87,22 @@ class Table:
             return run
         return None
 
-    def lane_groups(self, max_lanes: int | None) -> list["Table"]:
-        """This table cut into tables of at most `max_lanes` lanes, run one after another."""
+    def lane_groups(self, max_lanes: int | None, nq: int) -> list["Table"]:
+        """This table cut into tables of at most `max_lanes` lanes, run one after another.
+
+        Wrap-around leaves its padding at the tail of the last lane, so the last group may have
+        steps whose lanes are all padding (query block `nq`): those steps are dropped, so every
+        step of every table has work.
+        """
         lanes = self.q.shape[1]
         if max_lanes is None or lanes <= max_lanes:
             return [self]
-        return [Table(self.q[:, a:a + max_lanes], self.kv[:, a:a + max_lanes], self.masked)
-                for a in range(0, lanes, max_lanes)]
+        groups = []
+        for a in range(0, lanes, max_lanes):
+            q, kv = self.q[:, a:a + max_lanes], self.kv[:, a:a + max_lanes]
+            busy = (q < nq).any(axis=1)
+            groups.append(Table(q[busy], kv[busy], self.masked))
+        return groups
 
     def static_step(self, t: int, nq: int) -> Step:
         real = self.q[t] < nq
@@ -133,7 +142,7 @@ def static_schedule(classes: np.ndarray, max_lanes: int | None = None) -> list[T
     for kind, masked in ((masks.PARTIAL, True), (masks.FULL, False)):
         rows = [np.flatnonzero(r == kind) for r in cls]
         if any(len(r) for r in rows):
-            tables += _wrap_around(rows, nq, nk, masked).lane_groups(max_lanes)
+            tables += _wrap_around(rows, nq, nk, masked).lane_groups(max_lanes, nq)
     return tables
 
 
@@ -239,6 +248,8 @@ class Tiles:
         elif spec.softmax == "learnable":
             self.sink_logit = sink.astype(self.ct).reshape(1, self.K, 1, self.G, 1)
         self.aux = aux
+        # Manual mesh axes the inputs vary along (under shard_map): loop carries must too.
+        self.axes = varying.varying_axes(q, k, v, bias, sink, aux)
         # At most this many query blocks per step (None: all): bounds a step's working set.
         self.max_lanes = None if max_lanes is None or max_lanes >= self.nq else max_lanes
         classes = masks.block_map(spec, aux, self.bq, self.bk)
@@ -435,8 +446,14 @@ class Tiles:
         return jnp.where(keep, x * (1.0 / (1.0 - self.spec.dropout_rate)), 0.0)
 
     # -- the loop ------------------------------------------------------------------------------
-    def run(self, step_fn, carry):
-        """carry after `carry = step_fn(step, carry)` for every step of the schedule."""
+    def run(self, step_fn, carry, *others):
+        """carry after `carry = step_fn(step, carry)` for every step of the schedule.
+
+        The initial carry is marked as varying like the call's inputs and `others` (arrays the
+        steps also read, e.g. the backward pass's cotangents), as loops under shard_map need.
+        """
+        axes = tuple(sorted(set(self.axes) | set(varying.varying_axes(others)), key=str))
+        carry = varying.like(carry, axes)
         if isinstance(self.schedule, DynamicSchedule):
             return self._run_dynamic(step_fn, carry)
         for i, table in enumerate(self.schedule):
@@ -477,8 +494,7 @@ class Tiles:
 
         return lax.fori_loop(0, -(-self.nq // lanes), group, carry)
 
-    @staticmethod
-    def _run_lanes(schedule: DynamicSchedule, q_blocks, step_fn, carry):
+    def _run_lanes(self, schedule: DynamicSchedule, q_blocks, step_fn, carry):
         def body(state):
             t, carry = state
             kv, valid, all_full = schedule.at(t)
@@ -489,5 +505,5 @@ class Tiles:
             return t + 1, carry
 
         _, carry = lax.while_loop(lambda state: state[0] < schedule.num_steps, body,
-                                  (jnp.zeros((), jnp.int32), carry))
+                                  (varying.like(jnp.zeros((), jnp.int32), self.axes), carry))
         return carry

@@ -65,7 +65,7 @@ def backward(tiles, out: jax.Array, lse: jax.Array, g_out: jax.Array, g_lse: jax
                                                      preferred_element_type=ct))
         return dq, dk, dv, dbias
 
-    dq, dk, dv, dbias = tiles.run(step_fn, carry)
+    dq, dk, dv, dbias = tiles.run(step_fn, carry, g_out, g_lse, out, lse)
     dq = tiles.merge_q(dq).astype(tiles.q_dtype)
     dk = tiles.merge_kv(dk).astype(tiles.q_dtype)
     dv = tiles.merge_kv(dv).astype(tiles.q_dtype)
