@@ -544,3 +544,55 @@ def test_jit_matches_eager(backend):
                                 implementation=backend)
     jitted = f(q, k, v, jnp.asarray(seg.q[0], jnp.int32), jnp.asarray(seg.q[1], jnp.int32))
     sem.assert_close("jit vs eager", jitted, eager, rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding never reaches valid tokens, whatever it holds
+# ---------------------------------------------------------------------------------------------
+def _poisoned(c: Case, x: Inputs) -> Inputs:
+    """x with NaN in padded queries and values, inf in padded keys, NaN in the bias rows and
+    columns of padding (segment id 0)."""
+    q_ids, kv_ids, _, _ = x.segments.tokens(c.T, c.S, c.mask.endswith("bottom_right"))
+    q_pad, kv_pad = q_ids == 0, kv_ids == 0
+    q, k, v = x.q.copy(), x.k.copy(), x.v.copy()
+    q[q_pad], k[kv_pad], v[kv_pad] = np.nan, np.inf, np.nan
+    bias = None
+    if x.bias is not None:
+        bias = np.array(np.broadcast_to(x.bias, (c.B,) + x.bias.shape[1:]))
+        bias[(q_pad[:, :, None] | kv_pad[:, None, :])[:, None].repeat(bias.shape[1], 1)] = np.nan
+    return dataclasses.replace(x, q=q, k=k, v=v, bias=bias)
+
+
+def _padding_params():
+    for backend in CAPABILITIES:
+        marks = [pytest.mark.gpu] if backend in GPU_BACKENDS else []
+        for name in ("padding", "packed_offsets", "packed_cross_bottom_right", "kitchen_sink"):
+            c = CASES[name]
+            dtype = "float32" if "float32" in CAPABILITIES[backend] else "bfloat16"
+            if c.bias is not None and c.bias[0] != "B":
+                continue  # the poisoned bias is per batch row
+            if supports(backend, features(name, dtype)):
+                yield pytest.param(backend, name, dtype, id=f"{backend}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize("backend, name, dtype", list(_padding_params()))
+def test_padding_contents_never_reach_valid_tokens(backend, name, dtype):
+    """Output and gradients with NaN/inf in every padded token equal those with random padding,
+    exactly; padded rows are 0 and padded tokens get exactly zero gradient."""
+    c, x = CASES[name], inputs_of(name)
+    out, lse, grads = run(c, x, backend, dtype, jit=True)
+    bad_out, bad_lse, bad_grads = run(c, _poisoned(c, x), backend, dtype, jit=True)
+    np.testing.assert_array_equal(np.asarray(bad_out), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(bad_lse), np.asarray(lse))
+    q_ids, kv_ids, _, _ = x.segments.tokens(c.T, c.S, c.mask.endswith("bottom_right"))
+    for n in ("q", "k", "v", "bias"):
+        if grads.get(n) is None:
+            continue
+        got, want = np.asarray(bad_grads[n], np.float32), np.asarray(grads[n], np.float32)
+        if n == "bias":  # hidden pairs get zero gradient; compare where either is visible
+            got, want = np.where(x.visible[:, None], got, 0), np.where(x.visible[:, None], want, 0)
+        np.testing.assert_array_equal(got, want, err_msg=f"d{n}")
+        if n != "bias":
+            pad = (q_ids if n == "q" else kv_ids) == 0
+            assert (got[pad] == 0).all(), f"d{n} of padding tokens is not zero"
+    assert (np.asarray(bad_out)[q_ids == 0] == 0).all()

@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from flashmesh.attention import chunked_vjp, varying
+from flashmesh.attention import chunked_vjp, masks, varying
 from flashmesh.attention.chunked_tiles import Step, Tiles
 from flashmesh.attention.registry import current_platform
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
@@ -130,6 +130,7 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
     """
     if block_sizes is None:
         block_sizes = BlockSizes.default_for(spec, current_platform())
+    inputs = masks.without_padding(inputs)
     blocks = block_sizes.fitted(spec)
     aux = AttentionInputs(q=None, k=None, v=None, q_segment_ids=inputs.q_segment_ids,
                           kv_segment_ids=inputs.kv_segment_ids, q_positions=inputs.q_positions,

@@ -423,7 +423,10 @@ class Tiles:
         if step.masked:
             # -inf, not a finite fill: e^(s - m) is then exactly 0, and a row that sees no key
             # keeps l = 0, which the forward pass turns into a zero output.
-            s = jnp.where(self.mask(step), s, -jnp.inf)
+            visible = self.mask(step)
+            s = jnp.where(visible, s, -jnp.inf)
+            if tanh is not None:  # a bias entry of a hidden pair may be anything: tanh too
+                tanh = jnp.where(visible, tanh, 0.0)
         return s, tanh
 
     def dropout_keep(self, step: Step) -> jax.Array | None:

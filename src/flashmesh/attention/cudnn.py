@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
+from flashmesh.attention import masks
 from flashmesh.attention.cudnn_sequences import (Sequences, packed_sequences, padding_sequences,
                                                  trimmed_sequences)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
@@ -380,6 +381,7 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec) -> tuple[jax.Array, 
 
 
 def _attention(inputs: AttentionInputs, spec: AttentionSpec):
+    inputs = masks.without_padding(inputs)
     cfg, seqs = plan(spec, inputs)
     bias = inputs.bias
     if bias is not None:

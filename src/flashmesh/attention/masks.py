@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,26 @@ def element_mask(spec: AttentionSpec, inputs: AttentionInputs, q_idx: jax.Array,
         kv_seg = jnp.take(inputs.kv_segment_ids, kv_idx, axis=1, mode="clip")
         mask = conj(mask, (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg != 0)[:, :, None])
     return mask
+
+
+def without_padding(inputs: AttentionInputs) -> AttentionInputs:
+    """inputs with q, k and v zeroed at padding tokens (segment id 0).
+
+    A padding token is masked out of every softmax, but masking alone does not stop it: its
+    value enters `p @ v` as 0 * v, which is NaN for a NaN or inf v, and likewise a padded key
+    reaches dq (and a padded query dk) through a zero gradient times it. Padding holds whatever
+    the data loader left there, so it is cleared before any arithmetic; `where` also gives the
+    padded tokens exactly zero gradient, which is their true gradient.
+    """
+    if inputs.q_segment_ids is None:
+        return inputs
+
+    def clear(x, ids):
+        return jnp.where((ids != 0)[:, :, None, None], x, jnp.zeros((), x.dtype))
+
+    return dataclasses.replace(inputs, q=clear(inputs.q, inputs.q_segment_ids),
+                               k=clear(inputs.k, inputs.kv_segment_ids),
+                               v=clear(inputs.v, inputs.kv_segment_ids))
 
 
 def _tile_min_max(x, block: int, length: int, xp):

@@ -48,18 +48,22 @@ def sink_logit(spec: AttentionSpec, sink: jax.Array | None, dtype) -> jax.Array 
 def attention(inputs: AttentionInputs, spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
     """Returns (out [B, T, N, Dv] in q's dtype, lse [B, N, T] float32, float64 for float64 q)."""
     ct = compute_dtype(inputs.q.dtype)
+    inputs = masks.without_padding(inputs)
     B, T, N, _ = inputs.q.shape
     S, K = inputs.k.shape[1], inputs.k.shape[2]
     q = inputs.q.astype(ct).reshape(B, T, K, N // K, -1)
     k, v = inputs.k.astype(ct), inputs.v.astype(ct)
 
     s = jnp.einsum("btkgh,bskh->bkgts", q, k).reshape(B, N, T, S) * jnp.asarray(spec.scale, ct)
+    visible = masks.element_mask(spec, inputs, np.arange(T), np.arange(S))
     if inputs.bias is not None:
-        s = s + inputs.bias.astype(ct)
+        bias = inputs.bias.astype(ct)
+        if spec.segments is not None:  # a padded row or column of the bias may hold anything
+            bias = jnp.where(visible[:, None], bias, 0.0)
+        s = s + bias
     if spec.logits_soft_cap is not None:
         cap = jnp.asarray(spec.logits_soft_cap, ct)
         s = cap * jnp.tanh(s / cap)
-    visible = masks.element_mask(spec, inputs, np.arange(T), np.arange(S))
     if visible is not None:
         # -inf (not a finite fill) so exp gives exact zeros whose gradient is zero too.
         s = jnp.where(visible[:, None], s, -jnp.inf)
