@@ -430,3 +430,35 @@ def test_gpu_bf16_default_blocks_match_reference(options):
     for name in ("out", "lse", "dq", "dk", "dv"):
         a, b = (np.asarray(x[name], np.float32) for x in (got, want))
         _close(name, a, b, atol=np.abs(b).max() / 64)
+
+
+@pytest.mark.parametrize("segments", [None, "ids"])
+def test_grad_of_grad_matches_reference(segments):
+    """Reverse mode of any order, static and dynamic schedules (the dynamic loop has a static
+    bound, so its backward pass can itself be differentiated)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(5)
+        q, k, v = (_normal(rng, (2, 13, 2, 4), jnp.float64) for _ in range(3))
+        seg = None if segments is None else SD.from_segment_ids_and_pos(jnp.asarray(PACKED_IDS))
+        mask = "causal" if segments is None else "padding_causal"
+
+        def grad_norm(impl, blocks=None):
+            def loss(q, k, v):
+                inputs, spec = api.normalize(q, k, v, mask=mask, segments=seg)
+                fn = reference.attention if impl == "reference" else _chunked(blocks)
+                return jnp.sum(jnp.sin(fn(inputs, spec)[0]))
+            return lambda q, k, v: jnp.sum(jax.grad(loss, (0, 1, 2))(q, k, v)[1] ** 2)
+
+        want = jax.grad(grad_norm("reference"), (0, 1, 2))(q, k, v)
+        got = jax.jit(jax.grad(grad_norm("chunked", (4, 4)), (0, 1, 2)))(q, k, v)
+        for name, a, b in zip(("ddq", "ddk", "ddv"), got, want):
+            _close(name, a, b, 1e-10)
+
+
+def test_forward_mode_raises_and_explain_says_so():
+    q = jnp.ones((1, 8, 2, 4))
+    f = lambda q: api.attention(q, q, q, implementation="chunked")
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(f, (q,), (q,))
+    assert "jax.jvp" in str(api.explain(q, q, q))
+    jax.jvp(lambda q: api.attention(q, q, q, implementation="reference"), (q,), (q,))

@@ -16,8 +16,9 @@ Static block map (no segments, implicit positions), known at trace time:
   compile time and the live working set do not grow with the number of steps.
 
 Dynamic block map (segments or explicit positions): `DynamicSchedule` gives each query block the
-range of key blocks its non-empty tiles lie in; a `lax.while_loop` runs as many steps as the
-longest range and a `lax.cond` skips the mask arithmetic of steps whose tiles are all FULL.
+range of key blocks its non-empty tiles lie in; a loop of nk steps runs as many of them as the
+longest range (a `lax.switch` skips the rest, and the mask arithmetic of steps whose tiles are
+all FULL).
 
 Lanes: a step's working set grows with its lanes (logits [B, K, lanes, G, bq, bk]). With
 `max_lanes`, a static table is cut into tables of at most that many lanes, and a dynamic
@@ -498,15 +499,17 @@ class Tiles:
         return lax.fori_loop(0, -(-self.nq // lanes), group, carry)
 
     def _run_lanes(self, schedule: DynamicSchedule, q_blocks, step_fn, carry):
-        def body(state):
-            t, carry = state
+        """Steps 0 .. num_steps - 1 of a dynamic schedule. The loop runs to the static bound
+        nk and skips the steps past num_steps (a `lax.switch` that passes the carry through):
+        a loop of known length can be differentiated in reverse mode, so the backward pass
+        itself can be (grad of grad), which a `while_loop` forbids; a skipped step costs one
+        branch."""
+        def body(t, carry):
             kv, valid, all_full = schedule.at(t)
-            carry = lax.cond(all_full,
-                             lambda c: step_fn(Step(q_blocks, kv, masked=False), c),
-                             lambda c: step_fn(Step(q_blocks, kv, masked=True, valid=valid), c),
-                             carry)
-            return t + 1, carry
+            branch = jnp.where(t >= schedule.num_steps, 0, jnp.where(all_full, 1, 2))
+            return lax.switch(branch, (
+                lambda c: c,
+                lambda c: step_fn(Step(q_blocks, kv, masked=False), c),
+                lambda c: step_fn(Step(q_blocks, kv, masked=True, valid=valid), c)), carry)
 
-        _, carry = lax.while_loop(lambda state: state[0] < schedule.num_steps, body,
-                                  (varying.like(jnp.zeros((), jnp.int32), self.axes), carry))
-        return carry
+        return lax.fori_loop(0, self.nk, body, carry)

@@ -24,9 +24,12 @@ from flashmesh.attention.spec import AttentionSpec
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
+    """notes: what holds for every call it runs and a user should know (shown by `explain`)."""
+
     name: str
     module_name: str
     description: str
+    notes: str | None = None
 
     @property
     def module(self) -> ModuleType:
@@ -36,12 +39,18 @@ class Implementation:
         return self.module.unsupported_reason(spec, platform, automatic=automatic)
 
 
+# A custom VJP gives reverse-mode derivatives of any order (grad, grad of grad, jacrev) but no
+# forward mode: JAX cannot push a tangent through it. `implementation=None` moves from the
+# reference to chunked as calls grow, so forward mode is only certain with "reference".
+REVERSE_MODE_ONLY = ("reverse-mode autodiff only (a custom VJP): jax.jvp, jacfwd and hessian "
+                     "raise; use implementation='reference' for forward mode")
+
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl for impl in (
         Implementation("cudnn", "flashmesh.attention.cudnn",
-                       "cuDNN fused attention through JAX (NVIDIA GPUs)"),
+                       "cuDNN fused attention through JAX (NVIDIA GPUs)", REVERSE_MODE_ONLY),
         Implementation("chunked", "flashmesh.attention.chunked",
-                       "blockwise online softmax in JAX, linear memory, any device"),
+                       "blockwise online softmax in JAX, linear memory, any device", REVERSE_MODE_ONLY),
         Implementation("reference", "flashmesh.attention.reference",
                        "einsum over the full logits matrix, every feature"),
     )
@@ -99,6 +108,8 @@ class Explanation:
                 mark, text = "*", "ok (chosen)"
             else:
                 mark, text = "+", "ok" + (f"; not chosen automatically: {row.declines}" if row.declines else "")
+            if row.reason is None and IMPLEMENTATIONS[row.name].notes:
+                text += f"; {IMPLEMENTATIONS[row.name].notes}"
             lines.append(f"  {mark} {row.name:10s} {text}")
         return "\n".join(lines)
 
