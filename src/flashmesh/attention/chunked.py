@@ -132,9 +132,7 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
         block_sizes = BlockSizes.default_for(spec, current_platform())
     inputs = masks.without_padding(inputs)
     blocks = block_sizes.fitted(spec)
-    aux = AttentionInputs(q=None, k=None, v=None, q_segment_ids=inputs.q_segment_ids,
-                          kv_segment_ids=inputs.kv_segment_ids, q_positions=inputs.q_positions,
-                          kv_positions=inputs.kv_positions, dropout_seed=inputs.dropout_seed)
+    aux = dataclasses.replace(inputs, q=None, k=None, v=None, bias=None, sink=None)  # integers only
     # Under shard_map, the differentiable inputs enter the custom VJP varying along every manual
     # axis any input varies along: its backward then returns gradients of their types, and
     # JAX's own transpose of that cast sums the gradient of a replicated input over the axes.

@@ -400,7 +400,8 @@ class Tiles:
 
         if self._per_batch(step):
             # Key columns differ per batch row: give each row its own mask inputs [1, L].
-            per_row = jax.tree.map(lambda x: x[:, None], dataclasses.replace(aux, dropout_seed=None))
+            rows = dataclasses.replace(aux, dropout_seed=None, q_index=None, kv_index=None, head_index=None)
+            per_row = jax.tree.map(lambda x: x[:, None], rows)
             m = jax.vmap(lambda inp, ki: jax.vmap(one, (None, 0, 0))(inp, q_idx, ki)[:, 0])(per_row, kv_idx)
             m = m & step.valid[:, :, None, None]  # [B, A, bq, bk]
         elif self._shared(step):
@@ -441,6 +442,7 @@ class Tiles:
         i = jnp.asarray(q_idx).reshape(1, 1, -1, 1, self.bq, 1)
         j = jnp.asarray(kv_idx)
         j = j.reshape(-1, 1, j.shape[-2], 1, 1, self.bk)
+        n, i, j = masks.dropout_numbers(self.aux, n, i, j)
         return masks.dropout_keep(self.aux.dropout_seed, self.spec.dropout_rate, b, n, i, j)
 
     def dropout(self, keep: jax.Array | None, x):

@@ -144,6 +144,16 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
+def dropout_numbers(inputs: AttentionInputs, n, q_idx, kv_idx):
+    """The (head, query, key) numbers the dropout hash sees for local indices n, q_idx, kv_idx:
+    the same indices, or their global numbers where the inputs carry them (a context-parallel
+    shard). Indices past the end (tile padding) are clipped; those elements are hidden anyway."""
+    def number(table, idx):
+        return idx if table is None else jnp.take(table, jnp.asarray(idx), mode="clip")
+
+    return (number(inputs.head_index, n), number(inputs.q_index, q_idx), number(inputs.kv_index, kv_idx))
+
+
 def dropout_keep(seed: jax.Array, rate: float, b, n, q_idx, kv_idx) -> jax.Array:
     """Which attention probabilities survive dropout: bool, broadcast of b, n, q_idx, kv_idx.
 

@@ -83,9 +83,9 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec) -> tuple[jax.Array, 
     lse = jnp.where(empty, EMPTY_ROW_LSE, shift + jnp.log(jnp.where(empty, 1.0, denom)))
 
     if spec.has_dropout:
-        keep = masks.dropout_keep(inputs.dropout_seed, spec.dropout_rate,
-                                  jnp.arange(B)[:, None, None, None], jnp.arange(N)[None, :, None, None],
-                                  jnp.arange(T)[None, None, :, None], jnp.arange(S)[None, None, None, :])
+        n, i, j = masks.dropout_numbers(inputs, jnp.arange(N), jnp.arange(T), jnp.arange(S))
+        keep = masks.dropout_keep(inputs.dropout_seed, spec.dropout_rate, jnp.arange(B)[:, None, None, None],
+                                  n[None, :, None, None], i[None, None, :, None], j[None, None, None, :])
         p = jnp.where(keep, p / (1.0 - spec.dropout_rate), 0.0)
 
     o = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, N // K, T, S), v).reshape(B, T, N, -1)

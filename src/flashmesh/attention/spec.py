@@ -99,6 +99,9 @@ class AttentionInputs:
     q_positions: [B, T] int32, kv_positions: [B, S] int32, or None (implicit 0..T-1 plus the
       diagonal offset, and 0..S-1).
     dropout_seed: [2] uint32 or None.
+    q_index: [T] int32, kv_index: [S] int32, head_index: [N] int32, or None (0..T-1, 0..S-1,
+      0..N-1): the token and head numbers the dropout hash sees. Context parallelism passes a
+      shard's global numbers, so its dropout drops exactly what one device drops.
     """
 
     q: jax.Array
@@ -111,6 +114,9 @@ class AttentionInputs:
     q_positions: jax.Array | None = None
     kv_positions: jax.Array | None = None
     dropout_seed: jax.Array | None = None
+    q_index: jax.Array | None = None
+    kv_index: jax.Array | None = None
+    head_index: jax.Array | None = None
 
 
 def compute_dtype(dtype) -> jnp.dtype:
