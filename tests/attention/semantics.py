@@ -109,10 +109,17 @@ class Segments:
             return q_ids, kv_ids, q_pos, kv_pos
         q_ids, kv_ids = np.asarray(self.q[0]), np.asarray(self.kv[0])
         if self.q[1] is not None:
-            return q_ids, kv_ids, np.asarray(self.q[1]), np.asarray(self.kv[1])
-        if bottom_right:
-            raise ValueError("bottom-right needs explicit positions with segment ids")
-        return q_ids, kv_ids, run_offsets(q_ids), run_offsets(kv_ids)
+            q_pos, kv_pos = np.array(self.q[1]), np.asarray(self.kv[1])
+        else:
+            q_pos, kv_pos = run_offsets(q_ids), run_offsets(kv_ids)
+        if bottom_right:  # segment m's diagonal ends at its last query and key (lengths by id)
+            for ids, pos in ((q_ids, q_pos), (kv_ids, kv_pos)):
+                if ((pos != run_offsets(ids)) & (ids > 0)).any():
+                    raise ValueError("bottom-right shifts only canonical positions of segment ids")
+            for b, i in zip(*np.nonzero(q_ids)):
+                m = q_ids[b, i]
+                q_pos[b, i] += (kv_ids[b] == m).sum() - (q_ids[b] == m).sum()
+        return q_ids, kv_ids, q_pos, kv_pos
 
 
 def _slots_to_tokens(lens, offs, L):

@@ -52,8 +52,9 @@ def _tiles_check(classes, vis, bq, bk, *, exact: bool, where: str):
 def test_element_mask_matches_oracle(B, T, S, recipe):
     rng = np.random.default_rng(T * 31 + S)
     seg = None if recipe is None else sem.SEGMENT_RECIPES[recipe](rng, B, T, S)
+    bottom_right = "causal" if recipe == "ids_pos_shifted" else "causal_bottom_right"
     for mask, window in [("none", None), ("causal", None), ("causal", (3, 0)), ("none", (2, 1)),
-                         ("causal_bottom_right" if recipe != "ids" else "causal", (4, 0))]:
+                         (bottom_right, (4, 0))]:
         if seg is not None and mask != "none":
             mask = "padding_" + mask
         inputs, spec = _spec_inputs(B, T, S, mask=mask, window=window, segments=seg)

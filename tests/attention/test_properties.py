@@ -29,8 +29,8 @@ def configs(draw) -> tuple[Case, int]:
     segments = draw(st.sampled_from([None, None, "seqlens", "seqlens_empty_row", "offsets",
                                      "offsets_empty_row", "ids", "ids_pos_shifted"]))
     causal = draw(st.sampled_from(["none", "causal", "causal_bottom_right"]))
-    if causal == "causal_bottom_right" and segments in ("ids",):
-        causal = "causal"  # derived positions cannot place a bottom-right diagonal
+    if causal == "causal_bottom_right" and segments in ("ids_pos_shifted",):
+        causal = "causal"  # positions the user chose cannot be shifted to the bottom right
     mask = causal if segments is None else ("padding" if causal == "none" else f"padding_{causal}")
     left = draw(st.sampled_from([-1, -1, 0, 2, 7]))
     right = 0 if causal != "none" else draw(st.sampled_from([-1, -1, 0, 3]))

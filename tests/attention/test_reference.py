@@ -144,9 +144,6 @@ def _segment_params():
     one in three, every mask with six recipes."""
     for r, recipe in enumerate(sorted(sem.SEGMENT_RECIPES)):
         for mask, T, S in (SEGMENT_MASKS[r % 3], SEGMENT_MASKS[(r + 1) % 3]):
-            if recipe in ("ids", "ids_empty_row") and mask.endswith("bottom_right"):
-                # Bottom-right with derived positions is a ValueError (see test_bad_input).
-                mask = "padding_causal"
             yield recipe, mask, T, S
 
 

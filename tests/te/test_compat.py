@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import flashmesh
 import flashmesh.te as te
@@ -280,6 +281,66 @@ def test_dropout_seed_forms_and_training_switch():
         _fused(qkv, dropout=0.3)
 
 
+def _dp_tp_mesh():
+    return jax.make_mesh((4, 2), ("dp", "tp"), devices=jax.devices()[:8])
+
+
+def _shard_map(f, mesh, spec, check_vma=True):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=check_vma))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (conftest fakes 8 CPUs)")
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_dropout_seed_is_per_shard_inside_shard_map(check_vma):
+    """TransformerEngine seeds every device; flashmesh's hash sees local indices, so inside
+    shard_map the key folds in the shard's index over the axes the data is sharded on."""
+    mesh, key = _dp_tp_mesh(), jax.random.PRNGKey(5)  # a raw key, as TransformerEngine's
+    q = np.broadcast_to(np.asarray(_normal(40, (1, T, 1, D))), (4, T, 2, D))  # identical shards
+    spec = P("dp", None, "tp")
+    x = jax.device_put(q, jax.NamedSharding(mesh, spec))
+    got = np.asarray(_shard_map(lambda x: _fused((x, x, x), seed=key, dropout=0.5), mesh, spec,
+                                check_vma)(x))
+    for b in range(4):
+        for h in range(2):
+            local = q[b:b + 1, :, h:h + 1]
+            shard_key = jax.random.fold_in(jax.random.wrap_key_data(key), 2 * b + h)
+            want = flashmesh.attention(local, local, local, dropout_rate=0.5, dropout_rng=shard_key)
+            _close(got[b:b + 1, :, h:h + 1], want)
+    assert not np.allclose(got[0], got[1])
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (conftest fakes 8 CPUs)")
+def test_dropout_replicas_keep_one_seed_and_jit_uses_global_indices():
+    """Data replicated over "tp" keeps one mask there (shard_map's check_vma would refuse the
+    replicated out_specs otherwise); under plain jit the call is global and needs no fold."""
+    mesh, key = _dp_tp_mesh(), jax.random.key(6)
+    q = np.asarray(_normal(41, (4, T, N, D)))
+    spec = P("dp")
+    x = jax.device_put(q, jax.NamedSharding(mesh, spec))
+    got = np.asarray(_shard_map(lambda x: _fused((x, x, x), seed=key, dropout=0.5), mesh, spec)(x))
+    for b in range(4):
+        local = q[b:b + 1]
+        _close(got[b:b + 1], flashmesh.attention(local, local, local, dropout_rate=0.5,
+                                                 dropout_rng=jax.random.fold_in(key, b)))
+    global_ = jax.jit(lambda x: _fused((x, x, x), seed=key, dropout=0.5))(x)
+    _close(global_, flashmesh.attention(q, q, q, dropout_rate=0.5, dropout_rng=key))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (conftest fakes 8 CPUs)")
+def test_module_dropout_differs_between_data_parallel_shards():
+    mesh = _dp_tp_mesh()
+    q = np.broadcast_to(np.asarray(_normal(42, (1, T, N, D))), (4, T, N, D))
+    spec = P("dp")
+    x = jax.device_put(q, jax.NamedSharding(mesh, spec))
+    module = _module(num_gqa_groups=N, attention_dropout=0.5)
+
+    def apply(x):
+        return module.apply({}, x, x, x, rngs={"dropout": jax.random.key(1)})
+
+    got = np.asarray(_shard_map(apply, mesh, spec)(x))
+    assert not np.allclose(got[0], got[1])  # identical rows, one key: only the fold tells apart
+
+
 # -- what is not mapped raises ----------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs", [
@@ -437,6 +498,20 @@ def test_module_field_checks():
         _module(context_parallel_strategy="ring").apply({}, q, k, v)
     with pytest.raises(NotImplementedError, match=CP_MESSAGE):
         _module(context_parallel_axis="cp").apply({}, q, k, v)
+
+
+def test_padding_mask_without_descriptor_speaks_transformer_engine():
+    """A padding mask type without a descriptor is refused in TransformerEngine's argument
+    names, not in the native `mask=` / `segments=` it maps onto."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"^attn_mask_type='padding' needs sequence_descriptor="):
+        _module(attn_mask_type="padding").apply({}, q, k, v)
+    with pytest.raises(ValueError, match=r"^attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK needs "
+                                         r"sequence_descriptor="):
+        _fused((q, k, v), AttnMaskType.PADDING_CAUSAL_MASK)
+    with pytest.raises(ValueError, match=r"^attn_mask_type=AttnMaskType.PADDING_MASK needs "
+                                         r"sequence_descriptor="):
+        _fused((q, k, v), AttnMaskType.PADDING_MASK, QKVLayout.THD_THD_THD)
 
 
 def test_module_padding_mask_with_descriptor_and_deprecated_mask_name():

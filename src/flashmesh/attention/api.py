@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from flashmesh.attention import layouts, registry
@@ -29,7 +30,9 @@ MASKS: dict[str, tuple[bool, bool, bool]] = {
 }
 
 
-def _window(window, causal: bool) -> tuple[int, int]:
+def _window(window, causal: bool, limit: int) -> tuple[int, int]:
+    """(left, right), -1 unbounded. A side of at least `limit`, which no visible pair's position
+    difference reaches, is unbounded too: (2**31, 0) and (-1, 0) are one spec and one mask."""
     if window is None:
         return (-1, 0) if causal else (-1, -1)
     if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(
@@ -40,7 +43,17 @@ def _window(window, causal: bool) -> tuple[int, int]:
         if right > 0:
             raise ValueError(f"window={tuple(window)} has right > 0, which a causal mask forbids")
         right = 0
-    return (left, right)
+    return (-1 if left >= limit else left, -1 if right >= limit else right)
+
+
+def _real(x) -> bool:
+    """A real number (numpy scalars included) but not a bool: True is no rate or cap."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_bool(name: str, x) -> None:
+    if not isinstance(x, (bool, np.bool_)):  # a truthy string or array must not pick a branch
+        raise ValueError(f"{name} must be a bool, got {x!r}")
 
 
 def _check_float(name: str, x) -> None:
@@ -82,7 +95,6 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
         raise ValueError(f"mask={mask!r} needs segments=SequenceDescriptor(...)")
     if layouts.is_packed(layout) and segments is None:
         raise ValueError(f"{layout=} packs several sequences per row and needs segments=...")
-    win = _window(window, causal)
 
     q_ids = kv_ids = q_pos = kv_pos = None
     seg_kind, max_segments, canonical = None, None, True
@@ -94,6 +106,9 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
         q_ids, kv_ids, q_pos, kv_pos = segments.to_segments(T, S, bottom_right)
         seg_kind = "padding" if segments.kind == "seqlens" else "packed"
         max_segments, canonical = segments.max_segments, segments.positions_canonical
+    # Positions we derive (bottom-right shifts included) put every visible pair's difference
+    # within max(T, S) - 1 either way; positions a user chose are bounded only by int32.
+    win = _window(window, causal, max(T, S) if canonical else 2**31 - 1)
 
     bias_shape = None
     if bias is not None:
@@ -107,7 +122,7 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
 
     if scale is None:
         scale = 1.0 / math.sqrt(Dqk)
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+    if not _real(scale) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite real number, got {scale!r}")
     if softmax not in SOFTMAX_TYPES:
         raise ValueError(f"softmax={softmax!r} must be one of {SOFTMAX_TYPES}")
@@ -120,12 +135,14 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
             raise ValueError(f"sink shape {sink.shape} must be (num_heads,) = ({N},)")
     elif sink is not None:
         raise ValueError(f"sink is only used with softmax='learnable', got softmax={softmax!r}")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
-                                            and 0 < logits_soft_cap < math.inf):
-        raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
+    cap = logits_soft_cap
+    if cap is not None and not (_real(cap) and 0 < cap < math.inf):
+        raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {cap!r}")
 
-    if not (isinstance(dropout_rate, (int, float)) and 0.0 <= dropout_rate < 1.0):
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
+    if not (_real(dropout_rate) and 0.0 <= dropout_rate < 1.0):
+        raise ValueError(f"dropout_rate must be a real number in [0, 1), got {dropout_rate!r}")
+    _check_bool("deterministic", deterministic)
+    _check_bool("return_lse", return_lse)
     seed = None
     if deterministic:
         dropout_rate = 0.0
@@ -148,15 +165,16 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
 
 
 def _seed(rng) -> jax.Array:
-    """Two uint32 words from a typed or raw PRNG key (or an integer seed)."""
-    if isinstance(rng, int):
+    """Two uint32 words from one typed or raw PRNG key (or an integer seed)."""
+    if isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
         rng = jax.random.key(rng)
     rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
-    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        if rng.dtype != jnp.uint32 or rng.shape != (2,):
-            raise ValueError(f"dropout_rng must be a PRNG key, got dtype {rng.dtype} shape {rng.shape}")
-        rng = jax.random.wrap_key_data(rng)
-    return jax.random.bits(rng, (2,), jnp.uint32)
+    typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    one_key = rng.shape == () if typed else (rng.dtype == jnp.uint32 and rng.shape == (2,))
+    if not one_key:  # a batch (jax.random.split) would fail deep inside jax.random.bits
+        raise ValueError(f"dropout_rng must be a PRNG key: one typed key of shape () or uint32 of "
+                         f"shape (2,), got dtype {rng.dtype} shape {rng.shape}")
+    return jax.random.bits(rng if typed else jax.random.wrap_key_data(rng), (2,), jnp.uint32)
 
 
 def attention(
@@ -195,19 +213,28 @@ def attention(
         "causal_bottom_right" (the diagonal ends at the last query and key, for T != S), and
         "padding", "padding_causal", "padding_causal_bottom_right" (same, requiring segments).
       window: (left, right): query at position i sees keys at [i - left, i + right]; -1 is
-        unbounded. With a causal mask right must be 0 or -1.
+        unbounded, and so is any side of at least max(T, S) (e.g. 2**31) with the positions
+        flashmesh derives. With a causal mask right must be 0 or -1.
       segments: a `SequenceDescriptor`: padding lengths, packed offsets or segment ids and
-        positions. Tokens attend only within their own segment; id 0 is padding.
+        positions. Tokens attend only within their own segment; id 0 is padding. Bottom-right
+        masks align each segment's diagonal to its last query and key in every form; explicit
+        segment positions must then be canonical (see `SequenceDescriptor`).
       bias: added to the scaled logits, broadcastable as [B|1, N|1, T, S]; it gets a gradient.
       scale: logit scale, default 1 / sqrt(Dqk).
       softmax: "vanilla"; "off_by_one" (denominator + 1); "learnable" (denominator +
         exp(sink[n]); `sink` [N] gets a gradient).
       logits_soft_cap: c in s -> c * tanh(s / c), applied after scale and bias.
-      dropout_rate, dropout_rng: attention-probability dropout, reproducible from the rng;
-        `deterministic=True` turns it off.
+      dropout_rate, dropout_rng: attention-probability dropout from one PRNG key (typed,
+        uint32 [2], or an int seed). Which probabilities drop is a hash of the key and the
+        call's own (b, n, i, j) indices, identical on every implementation. Under jit on
+        sharded arrays those indices are global; inside `shard_map` they are the shard's
+        local ones, so shards given one key drop the same elements: give each its own key,
+        e.g. `jax.random.fold_in(key, jax.lax.axis_index("data"))`.
+      deterministic: a bool; True turns dropout off.
       implementation: None picks the fastest that supports the call on this device (see
         `explain`); a name ("cudnn", "chunked", "reference") runs exactly that one.
-      return_lse: also return the float32 log-sum-exp [B, N, T] of the softmax denominator.
+      return_lse: a bool; also return the float32 log-sum-exp [B, N, T] of the softmax
+        denominator.
 
     A query that sees no key returns exactly 0 with zero gradient.
 

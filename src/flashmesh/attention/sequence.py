@@ -8,7 +8,15 @@
   ids are 1-based, 0 is padding; positions (default: offset from the segment's start) drive
   causal and window masks inside each segment.
 
-Each argument is one array (self-attention: queries and keys share it) or a (q, kv) pair.
+Each argument is one integer array (self-attention: queries and keys share it) or a (q, kv)
+pair; other dtypes are refused rather than truncated.
+
+A bottom-right mask shifts every segment's query positions by (kv length - q length), so each
+segment's diagonal ends at its last query and key, whatever the form. For segment ids a
+segment's length is the number of its tokens in the row, and the shift is only defined for
+canonical positions (offsets from the segment's start, derived or given): positions the user
+chose are taken to encode the alignment themselves, so a bottom-right mask refuses them.
+
 `api.py` turns every form into segment ids + positions, the one mask form backends see.
 """
 
@@ -22,12 +30,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _ints(x, name: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):  # a cast would truncate 2.7 to 2 silently
+        raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+    return x.astype(jnp.int32)
+
+
 def _pair(x, name: str):
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             raise ValueError(f"{name} must be one array or a (q, kv) pair, got {len(x)} items")
-        return jnp.asarray(x[0], jnp.int32), jnp.asarray(x[1], jnp.int32)
-    x = jnp.asarray(x, jnp.int32)
+        return _ints(x[0], f"q {name}"), _ints(x[1], f"kv {name}")
+    x = _ints(x, name)
     return x, x
 
 
@@ -58,13 +73,15 @@ def concrete(x) -> np.ndarray | None:
         return None
 
 
-def _runs(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _runs(ids, xp=jnp):
     """For ids [B, L]: each token's offset from the start of its run of equal ids, and
-    whether it starts a run."""
+    whether it starts a run (xp=np computes it on concrete arrays, even under a trace)."""
     L = ids.shape[1]
-    idx = jnp.arange(L, dtype=jnp.int32)[None]
-    starts = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-    run_start = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    idx = xp.arange(L, dtype=xp.int32)[None]
+    starts = xp.concatenate([xp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    marked = xp.where(starts, idx, 0)
+    cummax = np.maximum.accumulate if xp is np else jax.lax.cummax
+    run_start = cummax(marked, axis=1)
     return idx - run_start, starts
 
 
@@ -120,6 +137,16 @@ class SequenceDescriptor:
     @classmethod
     def from_segment_ids_and_pos(cls, segment_ids, segment_pos=None, *,
                                  max_segments: int | None = None) -> "SequenceDescriptor":
+        """Packed rows given per token: segment_ids [B, L] (1-based, 0 = padding) and optional
+        segment_pos [B, L] (default: each token's offset from its segment's start).
+
+        Under a bottom-right mask each segment's query positions move by (kv length - q
+        length), lengths counted in tokens per id, exactly as the seqlens and offsets forms do.
+        That needs canonical positions (derived, or given equal to the derived ones on concrete
+        arrays); other positions are taken to encode the alignment themselves and a
+        bottom-right mask refuses them with a ValueError (use a top-left mask with them).
+        max_segments: a static bound on segments per row, needed by cuDNN when ids are traced.
+        """
         q_ids, kv_ids = _pair(segment_ids, "segment_ids")
         for name, x in (("q segment_ids", q_ids), ("kv segment_ids", kv_ids)):
             if x.ndim != 2:
@@ -137,7 +164,8 @@ class SequenceDescriptor:
                 if pos.shape != ids.shape:
                     raise ValueError(f"{name} segment_pos shape {pos.shape} must equal its "
                                      f"segment_ids shape {ids.shape}")
-            canonical = all(_is_canonical(ids, pos) for ids, pos in ((q_ids, q_pos), (kv_ids, kv_pos)))
+            canonical = not any(_position_mismatch(side, ids, pos) for side, ids, pos in (
+                ("q", q_ids, q_pos), ("kv", kv_ids, kv_pos)))
         if max_segments is None:
             counts = [concrete(jnp.sum(_runs(x)[1] & (x != 0), axis=1)) for x in (q_ids, kv_ids)]
             if all(c is not None for c in counts):
@@ -204,19 +232,41 @@ class SequenceDescriptor:
             if ids.shape[1] != length:
                 raise ValueError(f"{name} segment_ids length {ids.shape[1]} must equal the "
                                  f"sequence length {length}")
-        if self.q_positions is not None:
-            return self.q_segment_ids, self.kv_segment_ids, self.q_positions, self.kv_positions
+        q_ids, kv_ids = self.q_segment_ids, self.kv_segment_ids
+        if self.q_positions is None:
+            q_pos, kv_pos = _runs(q_ids)[0], _runs(kv_ids)[0]
+        else:
+            q_pos, kv_pos = self.q_positions, self.kv_positions
         if bottom_right:
-            raise ValueError("bottom-right alignment with segment_ids needs segment_pos "
-                             "(or a seqlens descriptor) to place each segment's diagonal")
-        return (self.q_segment_ids, self.kv_segment_ids, _runs(self.q_segment_ids)[0],
-                _runs(self.kv_segment_ids)[0])
+            if not self.positions_canonical:
+                why = (_position_mismatch("q", q_ids, q_pos)
+                       or _position_mismatch("kv", kv_ids, kv_pos) or "other positions")
+                raise ValueError(f"a bottom-right mask shifts each segment's diagonal, so "
+                                 f"segment_pos must be offsets from each segment's start, got "
+                                 f"{why}; pass segment_pos=None, or encode the alignment in it "
+                                 "and use a top-left mask")
+            shift = _count(kv_ids, q_ids) - _count(q_ids, q_ids)  # kv length - q length
+            q_pos = q_pos + jnp.where(q_ids > 0, shift, 0)
+        return q_ids, kv_ids, q_pos, kv_pos
 
 
-def _is_canonical(ids, pos) -> bool:
-    """Whether positions are offsets from segment starts (only provable on concrete arrays)."""
+def _count(pool: jax.Array, ids: jax.Array) -> jax.Array:
+    """For ids [B, L]: how many entries of the same row of pool [B, P] equal each one (by
+    sorting, so never a [B, L, P] comparison)."""
+    def row(pool, ids):
+        return jnp.searchsorted(pool, ids, side="right") - jnp.searchsorted(pool, ids, side="left")
+    return jax.vmap(row)(jnp.sort(pool, axis=1), ids)
+
+
+def _position_mismatch(side: str, ids, pos) -> str | None:
+    """Why `pos` is not provably each token's offset from its segment's start, or None when it
+    is (provable only on concrete arrays; padding tokens may hold any position)."""
     ids_c, pos_c = concrete(ids), concrete(pos)
     if ids_c is None or pos_c is None:
-        return False
-    canon = np.asarray(_runs(jnp.asarray(ids_c))[0])
-    return bool(((pos_c == canon) | (ids_c == 0)).all())
+        return f"traced {side} segment_pos (not provably offsets)"
+    canon = _runs(ids_c, np)[0]
+    bad = np.argwhere((pos_c != canon) & (ids_c != 0))
+    if not len(bad):
+        return None
+    b, i = bad[0]
+    return f"{side} segment_pos[{b}, {i}] = {pos_c[b, i]} where the offset is {canon[b, i]}"

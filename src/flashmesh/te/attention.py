@@ -14,8 +14,13 @@ one `flashmesh.attention` call. What TransformerEngine does differently is said 
   ignores `sequence_descriptor`, as TransformerEngine documents; padding needs a PADDING_* type.
 * PRE_SCALE_BIAS, softmax(scale * (qk + bias)), is passed on as the post-scale bias
   `scale * bias`: the same logits, and the bias gradient follows by the chain rule.
-* `seed` may be one key or TransformerEngine's per-device keys `[num_devices, ...]`; flashmesh's
-  dropout hashes global (batch, head, query, key) indices, so the first key serves every device.
+* `seed` may be one key or TransformerEngine's per-device keys `[num_devices, ...]` (the first
+  is used). flashmesh's dropout hashes the call's local (batch, head, query, key) indices: under
+  jit on sharded arrays those are global, so one key serves the whole array; inside `shard_map`
+  they are the shard's own, so the key folds in the shard's index, as TransformerEngine gives
+  each device its own seed (`per_shard_key`).
+* A PADDING_* mask (or a THD layout) without `sequence_descriptor` is refused in
+  TransformerEngine's words, before the native call.
 * Context parallelism and score_mod are not mapped yet: any non-default value raises
   NotImplementedError instead of being dropped.
 """
@@ -31,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flashmesh.attention import api, registry
+from flashmesh.attention import api, registry, varying
 from flashmesh.attention.sequence import SequenceDescriptor
 from flashmesh.te.enums import (SEQUENCE_MAJOR_LAYOUTS, AttnBiasType, AttnMaskType,
                                 AttnSoftmaxType, CPStrategy, QKVFormat, QKVLayout,
@@ -66,7 +71,7 @@ def check_no_context_parallel(strategy=CPStrategy.DEFAULT, load_balanced: bool =
 
 def _dropout_key(seed):
     """One PRNG key from `seed`: a typed key, a raw uint32 [2] key, or TransformerEngine's
-    per-device split of either (the first one is used; dropout indices are global)."""
+    per-device split of either (the first one is used; `per_shard_key` makes it per shard)."""
     seed = jnp.asarray(seed) if not isinstance(seed, jax.Array) else seed
     if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
         if seed.ndim > 1:
@@ -76,6 +81,30 @@ def _dropout_key(seed):
         raise ValueError(f"seed must be a PRNG key (uint32 [2] or [num_devices, 2]), got dtype "
                          f"{seed.dtype} shape {seed.shape}")
     return seed if seed.ndim == 1 else seed[0]
+
+
+def per_shard_key(key, arrays):
+    """TransformerEngine's per-device dropout seed, for flashmesh's hash of local indices.
+
+    Outside `shard_map` the call covers the whole array and `key` is returned as is. Inside,
+    the key folds in this shard's linear index over the manual mesh axes along which any of
+    `arrays` differs (batch- or head-sharded axes), so shards holding different data drop
+    different elements while replicas stay identical. With `check_vma=False` jax does not
+    track that, and every manual axis is folded in, as TransformerEngine seeds every device.
+    """
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if not manual:
+        return key
+    axes = manual
+    if varying.varying_axes(jax.lax.axis_index(manual[0])):  # empty only when check_vma=False
+        differ = varying.varying_axes([jnp.asarray(x) for x in arrays if x is not None])
+        axes = tuple(a for a in manual if a in differ)
+    if not axes:
+        return key
+    index = 0
+    for a in axes:
+        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return jax.random.fold_in(key, index)
 
 
 def _sink(softmax_offset, num_heads: int):
@@ -119,6 +148,10 @@ def native_arguments(qkv, bias, sequence_descriptor, seed, *, attn_bias_type, at
                              f"{layout.name}: THD rows are batch-major")
         native_layout = SEQUENCE_MAJOR_LAYOUTS[layout]
 
+    if mask.is_padding() and sequence_descriptor is None:
+        given = repr(attn_mask_type) if isinstance(attn_mask_type, str) else str(mask)
+        raise ValueError(f"attn_mask_type={given} needs "
+                         "sequence_descriptor=SequenceDescriptor(...)")
     if layout.is_thd() and not mask.is_padding():
         raise ValueError(f"qkv_layout={layout.name} packs several sequences per row and needs "
                          f"a PADDING_* attn_mask_type, got {mask.name}")
@@ -160,7 +193,7 @@ def native_arguments(qkv, bias, sequence_descriptor, seed, *, attn_bias_type, at
         if seed is None:
             raise ValueError(f"dropout_probability={dropout_probability} while is_training needs "
                              "a seed (PRNG key)")
-        dropout_rng = _dropout_key(seed)
+        dropout_rng = per_shard_key(_dropout_key(seed), arrays)
 
     window = None
     if window_size is not None:
@@ -230,7 +263,8 @@ def fused_attn(
       bias: [B|1, N|1, T, S] or None (with attn_bias_type NO_BIAS).
       sequence_descriptor: a `SequenceDescriptor`; required for PADDING_* masks and THD
         layouts, ignored (as in TransformerEngine) for non-padding masks on BSHD layouts.
-      seed: a PRNG key for dropout (or TransformerEngine's per-device keys).
+      seed: a PRNG key for dropout (or TransformerEngine's per-device keys, of which the
+        first is used); inside `shard_map` it folds in the shard's index (`per_shard_key`).
       attn_bias_type, attn_mask_type, qkv_layout, softmax_type: the enums of this module
         (their names as strings work too).
       scaling_factor: the logit scale, e.g. head_dim ** -0.5.

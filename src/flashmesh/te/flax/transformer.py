@@ -44,6 +44,8 @@ class DotProductAttention(nn.Module):
         'post_scale_bias'.
       dtype: deprecated in TransformerEngine; if set it must equal the inputs' dtype.
       dropout_rng_name: the rng stream dropout draws from (`apply(..., rngs={name: key})`).
+        Inside `shard_map` the key folds in the shard's index over the mesh axes the inputs
+        are sharded on, TransformerEngine's per-device seed (`te.attention.per_shard_key`).
       float32_logits: accepted for compatibility; logits are always computed in float32.
       qkv_layout: 'bshd_bshd_bshd', 'bs3hd' (query is [b, s, 3, h, d]), 'bshd_bs2hd' (key is
         [b, s, 2, h, d]) or the packed-sequence 't3hd', 'thd_t2hd', 'thd_thd_thd'.
@@ -58,7 +60,8 @@ class DotProductAttention(nn.Module):
       score_mod, score_mod_bprop: not supported (NotImplementedError).
 
     Call: `module(query, key, value, sequence_descriptor=None, bias=None, *, deterministic=False)`
-    returns [b, s, N, Dv] (or [s, b, N, Dv]) in the query dtype.
+    returns [b, s, N, Dv] (or [s, b, N, Dv]) in the query dtype; padding mask types and THD
+    layouts need `sequence_descriptor`.
     """
 
     head_dim: int
