@@ -64,7 +64,7 @@ STATIC_CASES = {
                               "bottom-right causal alignment with segments"),
     "custom_positions": (dict(B=1, segments=SD.from_segment_ids_and_pos(
         _ids(16, [(0, 8, 1), (8, 8, 2)]), _ids(16, [(0, 16, 1)]) * np.arange(16))),
-                         "custom segment positions"),
+                         "custom positions"),
     "head_dim_not_8": (dict(Dqk=60, Dv=60), "multiples of 8"),
     "head_dim_too_big": (dict(Dqk=264, Dv=264), "at most 256"),
     "packed_mla": (dict(B=1, Dv=32, segments=SD.from_segment_ids_and_pos(

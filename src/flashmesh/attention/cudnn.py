@@ -130,9 +130,9 @@ def static_reason(spec: AttentionSpec) -> str | None:
         return "bottom-right causal alignment with segments: cuDNN's masks are top-left"
     if spec.causal and spec.bottom_right and T != S:
         return f"bottom-right causal alignment with T={T} != S={S}: cuDNN's masks are top-left"
-    if spec.causal and spec.segments is not None and not spec.positions_canonical:
-        return ("custom segment positions: cuDNN derives positions from each segment's start "
-                "(positions are not offsets from the segment start)")
+    if spec.causal and not spec.positions_canonical:
+        return ("custom positions: cuDNN derives positions from each segment's start (or the "
+                "sequence's), and these are not offsets from it")
     if spec.qk_dim % 8 or spec.v_dim % 8:
         return f"head dims Dqk={spec.qk_dim}, Dv={spec.v_dim} must be multiples of 8 for cuDNN"
     if max(spec.qk_dim, spec.v_dim) > 256:

@@ -1,0 +1,99 @@
+"""One step of context-parallel attention: a rank's queries against one block of keys.
+
+Shape legend: B batch, T (local) query length, S key length of the block, N query heads,
+K key/value heads, H head dim.
+
+Every strategy cuts the global call into steps, and each step is an ordinary single-device
+attention call through the registry (`registry.select`), always returning its lse. What makes a
+step equal to its part of the global call is that it carries each token's *global* identity:
+
+* positions: the token's position in the original sequence (or inside its packed segment), so
+  causal and window masks are those of the global call whatever the order (contiguous,
+  dual_chunk, striped) placed the token on this rank;
+* segment ids: unchanged (0 = padding);
+* index: the token's original index, which the dropout hash sees (and the head numbers, when
+  heads are split), so dropout drops exactly what one device drops.
+
+Steps run with vanilla softmax: a sink is one extra denominator term and must be counted once,
+after the merge (`merge.finalize_sink`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flashmesh.attention import registry, varying
+from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec, compute_dtype
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Side:
+    """The mask data of one side's tokens (queries or keys) on a rank.
+
+    ids: [B, L] int32 segment ids (0 = padding), or None without segments.
+    positions: [B, L] int32 global positions, or None when no mask reads them.
+    index: [L] int32 original token indices (for the dropout hash).
+    """
+
+    ids: jax.Array | None
+    positions: jax.Array | None
+    index: jax.Array
+
+    def gathered(self, axis) -> "Side":
+        """The sides of every rank along `axis`, concatenated in rank order (all_gather)."""
+        def gather(x, dim):
+            return None if x is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+        return Side(gather(self.ids, 1), gather(self.positions, 1), gather(self.index, 0))
+
+
+def step_spec(spec: AttentionSpec, q_len: int, kv_len: int, bias_shape) -> AttentionSpec:
+    """The global spec narrowed to one step: its lengths, explicit positions, vanilla softmax."""
+    return dataclasses.replace(
+        spec, q_len=q_len, kv_len=kv_len, softmax="vanilla", bottom_right=False,
+        segments=None if spec.segments is None else "packed", max_segments=None,
+        positions_canonical=False, return_lse=True, bias_shape=bias_shape)
+
+
+def attend(spec: AttentionSpec, implementation: str | None, q, k, v, bias, q_side: Side,
+           kv_side: Side, seed, head_index) -> tuple[jax.Array, jax.Array]:
+    """(out [B, T, N, Dv] in q's dtype, lse [B, N, T]) of one step, through the registry."""
+    inputs = AttentionInputs(q=q, k=k, v=v, bias=bias, sink=None, q_segment_ids=q_side.ids,
+                             kv_segment_ids=kv_side.ids, q_positions=q_side.positions,
+                             kv_positions=kv_side.positions, dropout_seed=seed,
+                             q_index=q_side.index, kv_index=kv_side.index, head_index=head_index)
+    return registry.select(spec, implementation).module.attention(inputs, spec)
+
+
+def empty_result(q, v, axes) -> tuple[jax.Array, jax.Array]:
+    """What a step with no visible pair returns: out exactly 0, lse EMPTY_ROW_LSE."""
+    B, T, N, _ = q.shape
+    ct = compute_dtype(q.dtype)
+    out = jnp.zeros((B, T, N, v.shape[-1]), q.dtype)
+    lse = jnp.full((B, N, T), EMPTY_ROW_LSE, ct)
+    return varying.like((out, lse), axes)
+
+
+def may_meet(spec: AttentionSpec, q_side: Side, kv_side: Side) -> jax.Array:
+    """Whether any query of q_side may see any key of kv_side (a scalar bool, conservative:
+    False means certainly no visible pair). From the ranges of segment ids and positions:
+    O(B * (T + S)), never a [T, S] matrix."""
+    meet = jnp.ones((), bool)
+    if q_side.ids is not None:
+        big = jnp.iinfo(jnp.int32).max
+        def span(ids):  # nonzero id range per batch row; an all-padding row gets an empty range
+            real = ids != 0
+            return (jnp.min(jnp.where(real, ids, big), axis=1), jnp.max(jnp.where(real, ids, 0), axis=1))
+        (q_lo, q_hi), (k_lo, k_hi) = span(q_side.ids), span(kv_side.ids)
+        meet = jnp.any((q_lo <= k_hi) & (k_lo <= q_hi))
+    left, right = spec.window
+    if left >= 0 or right >= 0:  # holds for any pair, so also across packed segments
+        qp, kp = q_side.positions, kv_side.positions
+        if left >= 0:  # visible needs q_pos - k_pos <= left for some pair
+            meet = meet & (jnp.min(qp) - jnp.max(kp) <= left)
+        if right >= 0:
+            meet = meet & (jnp.min(kp) - jnp.max(qp) <= right)
+    return meet
