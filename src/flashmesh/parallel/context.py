@@ -87,6 +87,23 @@ def _mesh(mesh) -> Mesh:
     return mesh
 
 
+def _check_sharding(mesh, axis: str, arrays: dict) -> None:
+    """A concrete array already laid out on this mesh must shard its sequence axis (axis 1)
+    over `axis`: another layout is a mistake, not something to reshard silently. Arrays with
+    no mesh layout yet (host or single-device data, tracers) are placed by shard_map."""
+    for name, x in arrays.items():
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.core.Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
+            continue
+        if tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names) or x.ndim < 2:
+            continue
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        seq = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
+        if axis not in seq:
+            raise ValueError(f"{name} is sharded as {sharding.spec}, expected its sequence axis "
+                             f"(axis 1) sharded over {axis!r}")
+
+
 def _positions(spec: AttentionSpec, q_pos, kv_pos, B: int):
     """Global positions [B, T] and [B, S] in original order (implicit ones made explicit)."""
     if q_pos is None:
@@ -133,6 +150,10 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
             raise ValueError(f"{name}={a!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     cp = mesh.shape[axis]
     segments = options.get("segments")
+    _check_sharding(mesh, axis, {"q": q, "k": k, "v": v})
+    if segments is not None:
+        _check_sharding(mesh, axis, {f"segments.{f}": getattr(segments, f) for f in (
+            "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")})
     layout = options.get("layout", "bshd")
     inputs, spec = api.normalize(q, k, v, **options, return_lse=True)
     stripe_size = layouts.check_order(order, cp, spec.q_len, stripe_size, length_name="q sequence length")
