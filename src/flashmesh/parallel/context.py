@@ -104,6 +104,18 @@ def _check_sharding(mesh, axis: str, arrays: dict) -> None:
                              f"(axis 1) sharded over {axis!r}")
 
 
+def _place(tree, mesh, spec_tree):
+    """On a mesh of Explicit axes, arrays must already have shard_map's in_specs: reshard them
+    (a no-op when they do). Auto axes need nothing: shard_map places the arrays itself."""
+    if tree is None or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return tree
+    def one(spec, x):
+        if x is None:
+            return None
+        return jax.reshard(x, jax.sharding.NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec)
+    return jax.tree.map(one, spec_tree, tree, is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
 def _positions(spec: AttentionSpec, q_pos, kv_pos, B: int):
     """Global positions [B, T] and [B, S] in original order (implicit ones made explicit)."""
     if q_pos is None:
@@ -228,7 +240,9 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
     f = jax.shard_map(per_rank, mesh=mesh,
                       in_specs=(qkv, qkv, qkv, bias_spec, side_spec, kv_side_spec, None if seed is None else P()),
                       out_specs=(qkv, P(batch_axis, head_axis, axis)))
-    out, lse = f(inputs.q, inputs.k, inputs.v, bias, q_side, kv_side, seed)
+    args = (inputs.q, inputs.k, inputs.v, bias, q_side, kv_side, seed)
+    specs = (qkv, qkv, qkv, bias_spec, side_spec, kv_side_spec, None if seed is None else P())
+    out, lse = f(*(_place(a, mesh, sp) for a, sp in zip(args, specs)))
     out, lse = finalize_sink(out, lse, sink_logit(spec, inputs.sink, out.dtype))
     out = attention_layouts.restore(layout, out.astype(inputs.q.dtype))
     return (out, lse) if return_lse else out

@@ -103,7 +103,19 @@ def reorder_for_context_parallel(x, order: str, cp_size: int, seq_dim: int = 1,
     Example: reorder_for_context_parallel(np.arange(8), "dual_chunk", 2, seq_dim=0)
       -> [0 1 6 7 2 3 4 5]  (rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2)
     """
-    return _permute(x, order, cp_size, seq_dim, stripe_size, inverse=False)
+    return _explicit_safe(_permute, x, order, cp_size, seq_dim, stripe_size, inverse=False)
+
+
+def _explicit_safe(permute, x, *args, **kwargs):
+    """permute(x, ...) also for an array sharded over Explicit mesh axes, whose reshapes would
+    need their output sharding spelled out: the permutation runs in Auto mode and the result
+    keeps x's sharding."""
+    sharding = getattr(x, "sharding", None)
+    explicit = isinstance(sharding, jax.sharding.NamedSharding) and any(
+        t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+    if not explicit or isinstance(x, jax.core.Tracer):
+        return permute(x, *args, **kwargs)
+    return jax.sharding.auto_axes(lambda x: permute(x, *args, **kwargs), out_sharding=sharding)(x)
 
 
 def inverse_reorder_for_context_parallel(x, order: str, cp_size: int, seq_dim: int = 1,
@@ -112,7 +124,7 @@ def inverse_reorder_for_context_parallel(x, order: str, cp_size: int, seq_dim: i
 
     Exact for every dtype: inverse_reorder(reorder(x)) == x bit for bit.
     """
-    return _permute(x, order, cp_size, seq_dim, stripe_size, inverse=True)
+    return _explicit_safe(_permute, x, order, cp_size, seq_dim, stripe_size, inverse=True)
 
 
 def global_token_index(order: str, cp_size: int, seq_len: int,
