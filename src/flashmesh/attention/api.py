@@ -255,9 +255,20 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def explain(q, k=None, v=None, **options) -> registry.Explanation:
+CONTEXT_PARALLEL_OPTIONS = ("mesh", "axis", "strategy", "order", "stripe_size", "batch_axis", "head_axis")
+
+
+def explain(q, k=None, v=None, **options):
     """Which implementations can run this call on this device, which one runs, and why the
-    others cannot. Takes the same arguments as `attention` (arrays or jax.ShapeDtypeStruct)."""
+    others cannot. Takes the same arguments as `attention` (arrays or jax.ShapeDtypeStruct).
+
+    Given `mesh=` (and the other options of `flashmesh.context_parallel_attention`), it explains
+    that call instead: the strategy chosen and why (`flashmesh.parallel.Choice`)."""
+    if any(name in options for name in CONTEXT_PARALLEL_OPTIONS):
+        from flashmesh.parallel import context  # the parallel layer is built on this module
+        for name in ("batch_axis", "head_axis"):
+            options.pop(name, None)
+        return context.explain(q, k, v, **options)
     options.pop("implementation", None)
     options.pop("return_lse", None)
     specs = []

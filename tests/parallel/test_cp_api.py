@@ -1,4 +1,5 @@
-"""context_parallel_attention refuses bad input with a one-line ValueError naming the argument."""
+"""The boundary of context_parallel_attention: bad input gets a one-line ValueError naming the
+argument, and flashmesh.explain explains the call."""
 
 from __future__ import annotations
 
@@ -48,3 +49,9 @@ def test_segment_ids_in_another_order_need_positions():
 def test_no_mesh_and_no_ambient_mesh():
     with pytest.raises(ValueError, match="mesh=None needs an ambient mesh"):
         flashmesh.context_parallel_attention(Q, KV, KV)
+
+
+def test_flashmesh_explain_explains_the_context_parallel_call():
+    choice = flashmesh.explain(Q, KV, KV, mesh=MESH, mask="causal", window=(3, 0))
+    assert choice.strategy == "ring" and choice.hops == (0, 1), str(choice)
+    assert "ring" in str(choice) and "received per rank" in str(choice)
