@@ -200,3 +200,47 @@ def test_explicit_mesh_eager_and_under_set_mesh():
     for got in (eager, jitted):
         got = flashmesh.inverse_reorder_for_context_parallel(got, "dual_chunk", 4)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy, order, opts", [
+    ("ring", "dual_chunk", dict(mask="causal", window=(9, 0))),
+    ("all_gather", "striped", dict(mask="causal", softmax="learnable")),
+    ("all_to_all", "contiguous", dict(mask="none", bias=True)),
+])
+def test_per_shard_form_inside_users_shard_map(strategy, order, opts):
+    """context_parallel_shard inside a user's shard_map equals one device, output and grads."""
+    from jax.sharding import PartitionSpec as P
+    from flashmesh.parallel.shard import context_parallel_shard
+
+    rng = np.random.default_rng(2)
+    cp, B, T, N, K, D = 4, 2, 32, 4, 2, 8
+    q = jnp.asarray(rng.standard_normal((B, T, N, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32) for _ in range(2))
+    opts = dict(opts)
+    extra, specs = {}, {}
+    if opts.pop("bias", False):
+        extra["bias"], specs["bias"] = jnp.asarray(rng.standard_normal((B, N, T, T)), jnp.float32), P(None, None, "cp")
+    if opts.get("softmax") == "learnable":
+        extra["sink"], specs["sink"] = jnp.asarray(rng.standard_normal(N), jnp.float32), P()
+    R = lambda x, d=1: flashmesh.reorder_for_context_parallel(x, order, cp, d)  # noqa: E731
+
+    def one(q, k, v, extra):
+        return flashmesh.attention(q, k, v, implementation="reference", **extra, **opts)
+
+    def sharded(q, k, v, extra):
+        e = dict(extra)
+        if "bias" in e:
+            e["bias"] = R(R(e["bias"], 2), 3)
+        f = jax.shard_map(lambda q, k, v, e: context_parallel_shard(q, k, v, axis="cp", strategy=strategy, order=order,
+                                                                     implementation="chunked", **e, **opts),
+                          mesh=_mesh(cp), in_specs=(P(None, "cp"),) * 3 + ({n: specs[n] for n in e},),
+                          out_specs=P(None, "cp"))
+        return flashmesh.inverse_reorder_for_context_parallel(f(R(q), R(k), R(v), e), order, cp)
+
+    np.testing.assert_allclose(np.asarray(jax.jit(sharded)(q, k, v, extra)), np.asarray(one(q, k, v, extra)),
+                               rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    want = jax.grad(loss(one), (0, 1, 2, 3))(q, k, v, extra)
+    got = jax.jit(jax.grad(loss(sharded), (0, 1, 2, 3)))(q, k, v, extra)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

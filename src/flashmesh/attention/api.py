@@ -30,7 +30,7 @@ MASKS: dict[str, tuple[bool, bool, bool]] = {
 }
 
 
-def _window(window, causal: bool, limit: int) -> tuple[int, int]:
+def normalized_window(window, causal: bool, limit: int) -> tuple[int, int]:
     """(left, right), -1 unbounded. A side of at least `limit`, which no visible pair's position
     difference reaches, is unbounded too: (2**31, 0) and (-1, 0) are one spec and one mask."""
     if window is None:
@@ -108,7 +108,7 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
         max_segments, canonical = segments.max_segments, segments.positions_canonical
     # Positions we derive (bottom-right shifts included) put every visible pair's difference
     # within max(T, S) - 1 either way; positions a user chose are bounded only by int32.
-    win = _window(window, causal, max(T, S) if canonical else 2**31 - 1)
+    win = normalized_window(window, causal, max(T, S) if canonical else 2**31 - 1)
 
     bias_shape = None
     if bias is not None:

@@ -209,30 +209,15 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
     bias_spec = None if bias is None else P(batch_axis if bias.shape[0] > 1 else None,
                                             head_axis if bias.shape[1] > 1 else None, axis, None)
 
-    def local_bias_shape(heads, t, s):
-        if bias is None:
-            return None
-        return (bias.shape[0] // (dp if bias.shape[0] > 1 else 1), heads if bias.shape[1] > 1 else 1, t, s)
-
     def per_rank(q, k, v, bias, q_side, kv_side, seed):
         head_index = None
         if head_axis is not None:
             head_index = jax.lax.axis_index(head_axis) * n_local + jnp.arange(n_local, dtype=jnp.int32)
         local = dataclasses.replace(spec, batch=spec.batch // dp, num_heads=n_local, num_kv_heads=k_local)
-        if choice.strategy == "ring":
-            plan = Plan(step_spec(local, T, S, local_bias_shape(n_local, T, S)), implementation, axis, cp,
-                        choice.hops, kinds)
-            return ring(plan, q, k, v, bias, q_side, kv_side, seed, head_index)
-        if choice.strategy == "all_gather":
-            st = step_spec(local, T, spec.kv_len, local_bias_shape(n_local, T, spec.kv_len))
-            return all_gather(st, implementation, axis, q, k, v, bias, q_side, kv_side, seed, head_index)
-        if head_axis is not None:
+        if choice.strategy == "all_to_all" and head_axis is not None:
             raise NotImplementedError("strategy='all_to_all' with head_axis: the heads are already split")
-        idx = kv_heads_for(n_local, k_local, cp)
-        st = step_spec(dataclasses.replace(local, num_heads=n_local // cp,
-                                           num_kv_heads=(k_local if idx is None else len(idx)) // cp),
-                       spec.q_len, spec.kv_len, local_bias_shape(n_local // cp, spec.q_len, spec.kv_len))
-        return all_to_all(st, implementation, axis, cp, q, k, v, bias, q_side, kv_side, seed)
+        return run_strategy(choice.strategy, local, axis, cp, implementation, choice.hops, kinds,
+                            q, k, v, bias, q_side, kv_side, seed, head_index)
 
     side_spec = Side(None if q_side.ids is None else seq, None if q_side.positions is None else seq, P(axis))
     kv_side_spec = Side(None if kv_side.ids is None else seq, None if kv_side.positions is None else seq, P(axis))
@@ -246,6 +231,29 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
     out, lse = finalize_sink(out, lse, sink_logit(spec, inputs.sink, out.dtype))
     out = attention_layouts.restore(layout, out.astype(inputs.q.dtype))
     return (out, lse) if return_lse else out
+
+
+def run_strategy(strategy: str, spec: AttentionSpec, axis: str, cp: int, implementation, hops, kinds,
+                 q, k, v, bias, q_side: Side, kv_side: Side, seed, head_index):
+    """(out, lse) in float32 of one rank's queries, inside shard_map over `axis`. `spec` has the
+    global lengths and the rank's batch and heads; the arrays are the rank's shards (bias: its
+    query rows, every key column)."""
+    T, S = spec.q_len // cp, spec.kv_len // cp
+    N, K = spec.num_heads, spec.num_kv_heads
+
+    def bias_shape(heads, t, s):
+        return None if bias is None else (bias.shape[0], heads if bias.shape[1] > 1 else 1, t, s)
+
+    if strategy == "ring":
+        plan = Plan(step_spec(spec, T, S, bias_shape(N, T, S)), implementation, axis, cp, hops, kinds)
+        return ring(plan, q, k, v, bias, q_side, kv_side, seed, head_index)
+    if strategy == "all_gather":
+        step = step_spec(spec, T, spec.kv_len, bias_shape(N, T, spec.kv_len))
+        return all_gather(step, implementation, axis, q, k, v, bias, q_side, kv_side, seed, head_index)
+    idx = kv_heads_for(N, K, cp)
+    step = step_spec(dataclasses.replace(spec, num_heads=N // cp, num_kv_heads=(K if idx is None else len(idx)) // cp),
+                     spec.q_len, spec.kv_len, bias_shape(N // cp, spec.q_len, spec.kv_len))
+    return all_to_all(step, implementation, axis, cp, q, k, v, bias, q_side, kv_side, seed)
 
 
 def _static_pairs(spec: AttentionSpec, cp: int, order: str, stripe_size):
