@@ -55,7 +55,8 @@ class Choice:
         return f"context parallel: {self.strategy} ({self.reason}; received per rank: {sizes})"
 
 
-def choose_strategy(spec: AttentionSpec, cp: int, hops: tuple[int, ...], requested: str) -> Choice:
+def choose_strategy(spec: AttentionSpec, cp: int, hops: tuple[int, ...], requested: str,
+                    heads_split: bool = False) -> Choice:
     """The cost model of `strategy="auto"`: the strategy whose rank receives the fewest bytes.
 
     ring: one K/V block per hop that runs (a halo for narrow windows), overlapped with compute;
@@ -67,7 +68,7 @@ def choose_strategy(spec: AttentionSpec, cp: int, hops: tuple[int, ...], request
     T, S = spec.q_len // cp, spec.kv_len // cp
     kv = S * spec.num_kv_heads * (spec.qk_dim + spec.v_dim) * item * spec.batch
     received = {"ring": (len(hops) - 1) * kv, "all_gather": (cp - 1) * kv}
-    if spec.num_heads % cp == 0:
+    if spec.num_heads % cp == 0 and not heads_split:  # heads split by a tensor axis: not again
         idx = kv_heads_for(spec.num_heads, spec.num_kv_heads, cp)
         kv_heads = spec.num_kv_heads if idx is None else len(idx)
         local = spec.batch * (T * spec.num_heads * (spec.qk_dim + spec.v_dim)
@@ -196,7 +197,7 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
                    jnp.asarray(layouts.global_token_index(order, cp, spec.kv_len, stripe_size), jnp.int32))
 
     hops, kinds = _static_pairs(spec, cp, order, stripe_size)
-    choice = choose_strategy(spec, cp, hops, strategy)
+    choice = choose_strategy(spec, cp, hops, strategy, heads_split=head_axis is not None)
     if choice.strategy == "all_to_all" and (spec.num_heads // tp) % cp:
         raise ValueError(f"strategy='all_to_all' needs num_heads per rank ({spec.num_heads // tp}) to be a "
                          f"multiple of cp={cp}")

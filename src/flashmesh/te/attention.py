@@ -21,8 +21,13 @@ one `flashmesh.attention` call. What TransformerEngine does differently is said 
   each device its own seed (`per_shard_key`).
 * A PADDING_* mask (or a THD layout) without `sequence_descriptor` is refused in
   TransformerEngine's words, before the native call.
-* Context parallelism and score_mod are not mapped yet: any non-default value raises
-  NotImplementedError instead of being dropped.
+* The context-parallel arguments (`context_parallel_axis`, `context_parallel_strategy`,
+  `context_parallel_causal_load_balanced`, `stripe_size`, and the current `MeshResource` of
+  `te.autocast`) select `flashmesh.context_parallel_attention` when the axis has size > 1 in
+  the ambient mesh (`flashmesh.te.context_parallel` says how each maps); the reorders
+  `reorder_causal_load_balancing` and its inverse are flashmesh's.
+* score_mod is not mapped: any non-default value raises NotImplementedError instead of being
+  dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from flashmesh.attention import api, registry, varying
 from flashmesh.attention.sequence import SequenceDescriptor
+from flashmesh.parallel.context import context_parallel_attention
+from flashmesh.te.context_parallel import (ContextParallel, context_parallel,
+                                           inverse_reorder_causal_load_balancing,
+                                           reorder_causal_load_balancing)
 from flashmesh.te.enums import (SEQUENCE_MAJOR_LAYOUTS, AttnBiasType, AttnMaskType,
                                 AttnSoftmaxType, CPStrategy, QKVFormat, QKVLayout,
                                 ReorderStrategy, canonicalize, canonicalize_attn_mask_type)
@@ -49,24 +58,8 @@ __all__ = [
     "inverse_reorder_causal_load_balancing",
 ]
 
-CONTEXT_PARALLEL_TODO = "context parallelism: see flashmesh.context_parallel_attention (not yet implemented)"
-
 # Implementations that run on any device; every other registered one is a fused GPU kernel.
 PORTABLE_IMPLEMENTATIONS = ("reference", "chunked")
-
-
-def check_no_context_parallel(strategy=CPStrategy.DEFAULT, load_balanced: bool = False,
-                              axis: str = "", stripe_size: int | None = None) -> None:
-    """Raise NotImplementedError for any non-default context-parallel argument."""
-    strategy = canonicalize(CPStrategy, strategy, "context_parallel_strategy")
-    given = {name: value for name, value, default in (
-        ("context_parallel_strategy", strategy, CPStrategy.DEFAULT),
-        ("context_parallel_causal_load_balanced", load_balanced, False),
-        ("context_parallel_axis", axis, ""),
-        ("stripe_size", stripe_size, None)) if value != default}
-    if given:
-        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
-        raise NotImplementedError(f"{CONTEXT_PARALLEL_TODO}; got {args}")
 
 
 def _dropout_key(seed):
@@ -218,12 +211,25 @@ def check_no_score_mod(**score_mod_args) -> None:
 
 
 def call_native(qkv, bias, sequence_descriptor, seed, *, sequence_major=False,
-                context_checkpoint_name="context", **kwargs) -> jax.Array:
-    """`native_arguments` then `flashmesh.attention`: fused_attn without its unsupported-argument
-    checks (the Flax module makes those itself)."""
-    arrays, options = native_arguments(qkv, bias, sequence_descriptor, seed,
-                                       sequence_major=sequence_major, **kwargs)
-    out = api.attention(*arrays, **options)
+                context_checkpoint_name="context",
+                context_parallel: ContextParallel | None = None, **kwargs) -> jax.Array:
+    """`native_arguments` then one native call: `flashmesh.attention`, or
+    `flashmesh.context_parallel_attention` with `context_parallel`'s arguments when given.
+    fused_attn without its unsupported-argument checks (the Flax module makes those itself).
+    """
+    if context_parallel is not None and sequence_major:
+        # The context-parallel call shards the sequence axis of batch-major arrays;
+        # TransformerEngine too turns [s, b, ...] into [b, s, ...] before its primitive.
+        qkv = tuple(jnp.swapaxes(x, 0, 1) for x in qkv)
+    arrays, options = native_arguments(
+        qkv, bias, sequence_descriptor, seed,
+        sequence_major=sequence_major and context_parallel is None, **kwargs)
+    if context_parallel is None:
+        out = api.attention(*arrays, **options)
+    else:
+        out = context_parallel_attention(*arrays, **context_parallel.options(), **options)
+        if sequence_major:
+            out = jnp.swapaxes(out, 0, 1)
     # Same remat name as TransformerEngine, so checkpoint policies written for it still apply.
     return checkpoint_name(out, context_checkpoint_name)
 
@@ -253,7 +259,8 @@ def fused_attn(
     score_mod_tensors=None,
     score_mod_bprop_tensors=None,
 ) -> jax.Array:
-    """TransformerEngine's `fused_attn`, computed by `flashmesh.attention`.
+    """TransformerEngine's `fused_attn`, computed by `flashmesh.attention` (or, over a mesh,
+    `flashmesh.context_parallel_attention`).
 
     softmax(scaling_factor * q k^T (+ bias), masked) v, with dropout when training.
 
@@ -272,7 +279,17 @@ def fused_attn(
       max_segments_per_seq: bound on sequences per THD row, used when the descriptor cannot
         count them (segment ids under jit).
       window_size: (left, right) sliding window, -1 unbounded; None or (-1, -1) = no window.
-      context_parallel_*, stripe_size: must keep their defaults (NotImplementedError).
+      context_parallel_axis: the mesh axis the sequence is sharded over ("": the current
+        MeshResource's cp_resource, see `te.autocast`). With size > 1 in the ambient mesh
+        (`jax.set_mesh`) the call is `flashmesh.context_parallel_attention`; q, k, v, the
+        descriptor's ids/positions and the bias' query rows are then global arrays whose
+        sequence axis is sharded over it, and the output comes back sharded the same way.
+      context_parallel_strategy: CPStrategy.DEFAULT (flashmesh's cost model chooses),
+        ALL_GATHER or RING.
+      context_parallel_causal_load_balanced: the inputs were reordered by
+        `reorder_causal_load_balancing`: with DualChunkSwap when stripe_size is None, with
+        Striped and this stripe_size otherwise (THD layouts need the latter).
+      stripe_size: the Striped reorder's stripe size (see above).
       context_checkpoint_name: the `checkpoint_name` of the output.
       softmax_offset: the learnable sink logits [1, N, 1, 1] for LEARNABLE_SOFTMAX (float32);
         it gets a gradient.
@@ -287,18 +304,19 @@ def fused_attn(
       ...                  scaling_factor=q.shape[-1] ** -0.5, dropout_probability=0.0,
       ...                  is_training=True)
     """
-    check_no_context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced,
-                              context_parallel_axis, stripe_size)
     check_no_score_mod(score_mod=score_mod, score_mod_bprop=score_mod_bprop,
                         score_mod_tensors=score_mod_tensors,
                         score_mod_bprop_tensors=score_mod_bprop_tensors)
+    cp = context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced,
+                          context_parallel_axis, stripe_size,
+                          canonicalize(QKVLayout, qkv_layout, "qkv_layout"))
     return call_native(
         qkv, bias, sequence_descriptor, seed, attn_bias_type=attn_bias_type,
         attn_mask_type=attn_mask_type, qkv_layout=qkv_layout, softmax_type=softmax_type,
         scaling_factor=scaling_factor, dropout_probability=dropout_probability,
         is_training=is_training, max_segments_per_seq=max_segments_per_seq,
         window_size=window_size, softmax_offset=softmax_offset,
-        context_checkpoint_name=context_checkpoint_name)
+        context_checkpoint_name=context_checkpoint_name, context_parallel=cp)
 
 
 def fused_attn_explanation(is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type,
@@ -358,15 +376,3 @@ def is_fused_attn_kernel_available(is_training, q_dtype, kv_dtype, qkv_layout, a
         head_dim_v, window_size)
     return any(row.reason is None for row in explanation.rows
                if row.name not in PORTABLE_IMPLEMENTATIONS)
-
-
-def reorder_causal_load_balancing(tensor, strategy: ReorderStrategy, cp_size: int, seq_dim: int,
-                                  stripe_size: int | None = None):
-    """Reorder tokens to balance causal work over context-parallel ranks (not yet mapped)."""
-    raise NotImplementedError(CONTEXT_PARALLEL_TODO)
-
-
-def inverse_reorder_causal_load_balancing(tensor, strategy: ReorderStrategy, cp_size: int,
-                                          seq_dim: int, stripe_size: int | None = None):
-    """Undo `reorder_causal_load_balancing` (not yet mapped)."""
-    raise NotImplementedError(CONTEXT_PARALLEL_TODO)

@@ -15,13 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from flashmesh.te.attention import (AttnBiasType, AttnSoftmaxType, CPStrategy, QKVLayout,
+from flashmesh.te.attention import (AttnBiasType, AttnSoftmaxType, QKVLayout,
                                     SequenceDescriptor, call_native, canonicalize,
-                                    check_no_context_parallel, check_no_score_mod)
-
-# TransformerEngine's spellings of the context-parallel strategy field.
-_CP_STRATEGIES = {"DEFAULT": CPStrategy.DEFAULT, "ALL_GATHER": CPStrategy.ALL_GATHER,
-                  "ALLGATHER": CPStrategy.ALL_GATHER, "RING": CPStrategy.RING}
+                                    check_no_score_mod)
+from flashmesh.te.context_parallel import context_parallel
 
 
 def _heads(layout: QKVLayout, query, key) -> tuple[int, int, int]:
@@ -53,7 +50,15 @@ class DotProductAttention(nn.Module):
       transpose_batch_sequence: inputs are [s, b, ...] instead of [b, s, ...].
       window_size: (left, right) sliding window, -1 unbounded, None = none.
       max_segments_per_seq: bound on packed sequences per THD row.
-      context_parallel_*: must keep their defaults (NotImplementedError otherwise).
+      context_parallel_axis: mesh axis the sequence is sharded over ("": the current
+        MeshResource's cp_resource); with size > 1 in the ambient mesh (`jax.set_mesh`) the
+        call is `flashmesh.context_parallel_attention` on global, sequence-sharded arrays.
+      context_parallel_strategy: 'DEFAULT' (flashmesh's cost model chooses), 'ALL_GATHER'
+        (or 'ALLGATHER') or 'RING', any case, or a CPStrategy.
+      context_parallel_causal_load_balanced: the inputs (and the descriptor's ids and
+        positions) were reordered by `reorder_causal_load_balancing` with DualChunkSwap.
+        As in TransformerEngine there is no stripe_size field, so THD layouts, which are
+        balanced by Striped, need `fused_attn` for that (ValueError here).
       context_checkpoint_name: remat name of the output.
       softmax_type: 'vanilla', 'off_by_one' or 'learnable' (creates the float32 parameter
         "softmax_offset" [1, N, 1, 1], initialised to 0, which gets a gradient).
@@ -98,15 +103,6 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"dtype={jnp.dtype(self.dtype).name} (deprecated) must match the "
                              f"inputs' dtype {query.dtype}")
 
-    def _cp_strategy(self) -> CPStrategy:
-        strategy = self.context_parallel_strategy
-        if isinstance(strategy, str):
-            if strategy.upper() not in _CP_STRATEGIES:
-                raise ValueError(f"context_parallel_strategy={strategy!r} must be one of "
-                                 f"{sorted(_CP_STRATEGIES)} (any case)")
-            return _CP_STRATEGIES[strategy.upper()]
-        return canonicalize(CPStrategy, strategy, "context_parallel_strategy")
-
     @nn.compact
     def __call__(self, query: jax.Array, key: jax.Array | None = None,
                  value: jax.Array | None = None,
@@ -116,8 +112,6 @@ class DotProductAttention(nn.Module):
                  score_mod_bprop_tensors=None) -> jax.Array:
         """query/key/value as `qkv_layout` says (the packed operand in `query` or `key`, the
         others ignored); `mask` is TransformerEngine's deprecated name for the descriptor."""
-        check_no_context_parallel(self._cp_strategy(), self.context_parallel_causal_load_balanced,
-                                  self.context_parallel_axis)
         check_no_score_mod(score_mod=self.score_mod, score_mod_bprop=self.score_mod_bprop,
                             score_mod_tensors=score_mod_tensors,
                             score_mod_bprop_tensors=score_mod_bprop_tensors)
@@ -127,6 +121,10 @@ class DotProductAttention(nn.Module):
             sequence_descriptor = mask
         layout = canonicalize(QKVLayout, self.qkv_layout, "qkv_layout")
         self._check_shapes(layout, query, key)
+        # TransformerEngine's module has no stripe_size: load balanced means DualChunkSwap.
+        cp = context_parallel(self.context_parallel_strategy,
+                              self.context_parallel_causal_load_balanced,
+                              self.context_parallel_axis, None, layout)
         if self.attn_bias_type is None:
             bias_type = AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS
         else:
@@ -151,4 +149,4 @@ class DotProductAttention(nn.Module):
             attn_mask_type=self.attn_mask_type, qkv_layout=layout, softmax_type=softmax,
             scaling_factor=scale, dropout_probability=self.attention_dropout,
             is_training=not deterministic, max_segments_per_seq=self.max_segments_per_seq,
-            window_size=self.window_size, softmax_offset=softmax_offset)
+            window_size=self.window_size, softmax_offset=softmax_offset, context_parallel=cp)
