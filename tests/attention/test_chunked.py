@@ -414,7 +414,11 @@ def test_gpu_anchor_fwd_bwd_memory_below_naive(anchor):
         naive = naive.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
     except Exception:  # the naive baseline cannot even be compiled at this size
         return
-    assert ours < naive, f"chunked temp {ours / 2**30:.2f} GiB >= naive {naive / 2**30:.2f} GiB"
+    # A sequence of at most MIN_SPLIT_BLOCK is one tile: chunked then is the naive computation
+    # plus its per-row float32 statistics, lse and delta, and a little (codelab_small on the
+    # H200: 6,324,496 bytes against naive's 6,291,456). Longer ones must be strictly below.
+    slack = 8 * B * N * T + 1024 if T <= chunked.MIN_SPLIT_BLOCK else 0
+    assert ours < naive + slack, f"chunked temp {ours / 2**30:.4f} GiB >= naive {naive / 2**30:.4f} GiB"
 
 
 @pytest.mark.gpu
