@@ -711,3 +711,15 @@ def test_gpu_forward_only_graph_equals_raw_cudnn(causal):
                                                        implementation="cudnn")
     mine, theirs = (_cudnn_call_types(f, q, q, q) for f in (ours, raw))
     assert mine and mine == theirs, (mine, theirs)
+
+
+def test_refuses_q_of_two_to_the_thirty_elements():
+    """cuDNN's dq was wrong past batch row 0 at 2^31 q elements on the H200 (MAX_Q_ELEMENTS)."""
+    def spec(B, T, N, D):
+        specs = []
+        jax.eval_shape(lambda q, kv: specs.append(normalize(q, kv, kv, mask="causal")[1]) or 0,
+                       jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, 8, D), jnp.bfloat16))
+        return specs[0]
+    big, small = spec(2, 65536, 128, 128), spec(1, 32768, 128, 128)
+    assert "2^30" in cudnn.static_reason(big)
+    assert cudnn.static_reason(small) is None

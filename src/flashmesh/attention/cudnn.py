@@ -62,6 +62,13 @@ CUDNN_SM103 = 91100  # compute capability 10.3 itself
 # JAX sizes packed statistics [B * max_segments, N, T] float32: automatic choice passes over
 # cuDNN when they would exceed this (named explicitly, it runs whatever the size).
 AUTO_PACKED_STATS_BYTES = 2**30
+# Seen on the H200 (2026-12-01, tutorial 003's packed workload B=2, T=65536, N=128, Dqk=128):
+# cuDNN's dq is right for batch row 0 and wrong for row 1 (errors 1.0-1.6 against the float32
+# reference; chunked 2.5e-3). q there holds exactly 2^31 elements: the float32 dq of row 1
+# starts at byte 2^32, which points at 32-bit byte offsets in cuDNN's backward. Until
+# benchmarks/probe_cudnn_packed.py pins the bound on a GPU, cuDNN refuses calls whose q holds
+# this many elements or more: a slower right answer beats a fast wrong one.
+MAX_Q_ELEMENTS = 2**30
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,6 +122,9 @@ def static_reason(spec: AttentionSpec) -> str | None:
         return f"cuDNN fused attention takes bfloat16 or float16 inputs, got {spec.dtype}"
     if T == 1 and S == 1:
         return "T = S = 1: cuDNN's graph validation rejects one query against one key"
+    if spec.batch * T * spec.num_heads * spec.qk_dim >= MAX_Q_ELEMENTS:
+        return (f"q holds {spec.batch * T * spec.num_heads * spec.qk_dim} elements >= 2^30: cuDNN's "
+                "dq was wrong beyond the first batch row at 2^31 on the H200 (see MAX_Q_ELEMENTS)")
     if spec.softmax != "vanilla":
         return f"softmax={spec.softmax!r}: cuDNN's softmax has no extra denominator term (sink)"
     if spec.logits_soft_cap is not None:
