@@ -4,6 +4,10 @@
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
 #   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example
+#   BENCH_ARGS: more options for every bench step, e.g. BENCH_ARGS="--iters 10 --warmup 2"
+#
+# bench:cp runs the context-parallel preset: with one GPU its emulated_ranks group (the ranks'
+# work of cp=4 on the one GPU, issue 8 "On the H200"), with several every strategy and order.
 #
 # Optional peers (FlashAttention-3's JAX binding, tokamax) come as wheels in .whl/ (see
 # benchmarks/README.md); without them their rows say "not installed".
@@ -33,8 +37,11 @@ for step in "$@"; do
       timeout "$limit" python3 benchmarks/explore_chunked.py "${step#explore:}" 2>&1 | tee -a "$OUT/explore.log" ;;
     bench:*)
       IFS=: read -r _ preset groups impls <<<"$step"
-      timeout --signal=TERM "$limit" python3 -m flashmesh bench --preset "$preset" \
-        ${groups:+--groups "$groups"} ${impls:+--implementations "$impls"} --no-progress 2>&1 | tee -a "$OUT/bench.log" | tail -60 ;;
+      # cp on one GPU: the tutorial's one-device fwd+bwd (cuDNN, ~90 GiB) runs beside the ranks'
+      # shards, more than JAX's default 75% pool holds.
+      mem=""; [ "$preset" = cp ] && mem="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
+      env ${mem:+XLA_PYTHON_CLIENT_MEM_FRACTION=$mem} timeout --signal=TERM "$limit" python3 -m flashmesh bench --preset "$preset" \
+        ${groups:+--groups "$groups"} ${impls:+--implementations "$impls"} ${BENCH_ARGS:-} --no-progress 2>&1 | tee -a "$OUT/bench.log" | tail -60 ;;
     example)
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" ;;

@@ -18,6 +18,12 @@ presets:
             causal; sequence sweep (to 64k on a GPU); batch sweep; MHA/GQA/MQA; the Flax module
   anchors   the shapes of anchors/RESULTS.md against every peer (default on a GPU)
   quick     tiny shapes, seconds on a CPU (smoke tests)
+  cp        context parallelism on the CP tutorial's workload (reference/003): every strategy x
+            order over all devices against one device; with one device, the ranks' work of cp=4
+            one rank after another. On a CPU the CLI asks JAX for 4 fake devices; where JAX has
+            already started, set XLA_FLAGS=--xla_force_host_platform_device_count=4 instead.
+            Its rows (--implementations): <strategy>/<order>[:stripe], e.g. ring/striped:1, and
+            the emulated programs steps, ring_local
 
 implementations (add @bf16, @f16 or @f32 to fix a row's dtype, e.g. xla@f32):
   naive, xla, cudnn, flashmesh, flashmesh:<backend> (reference, chunked, cudnn, ...),
@@ -92,9 +98,12 @@ def make_plan(args, platform: str) -> shape_tables.Preset:
 
     --shapes picks from the chosen preset's groups; without --preset it also looks in the
     other presets, and a selection reaching outside the default preset is called "custom".
+    The cp preset's rows are strategies x orders (`shapes.select_cp_rows`), all in the run's
+    dtype; its --quick is a tiny workload.
     """
     name = args.preset or shape_tables.default_preset(platform)
-    preset = shape_tables.preset(name, platform)
+    preset = shape_tables.preset(name, platform, quick=args.quick)
+    cp = preset.kind == "context_parallel"
     groups = list(preset.groups)
     if args.groups:
         unknown = [g for g in args.groups if g not in {grp.name for grp in groups}]
@@ -106,15 +115,18 @@ def make_plan(args, platform: str) -> shape_tables.Preset:
         own = [g.name for g in groups]
         search = [dataclasses.replace(preset, groups=tuple(groups))]
         if not args.preset:
-            search += [shape_tables.preset(n, platform) for n in shape_tables.PRESETS if n != name]
+            search += [p for p in (shape_tables.preset(n, platform) for n in shape_tables.PRESETS if n != name)
+                       if p.kind == "attention"]
         groups = _find_shapes(args.shapes, search)
         if any(g.name not in own or g.shapes[0] not in preset.shapes() for g in groups):
             name = "custom"
-    if args.implementations:
+    if args.implementations and cp:  # the cp preset's rows are strategies/orders, not implementations
+        groups = shape_tables.select_cp_rows(groups, args.implementations)
+    elif args.implementations:
         for label in args.implementations:
             Candidate.parse(label)  # ValueError names the bad one
         groups = [dataclasses.replace(g, implementations=tuple(args.implementations)) for g in groups]
-    if args.dtype:
+    if args.dtype and not cp:  # cp rows all run in the run's dtype (config.dtype)
         def retype(labels):
             return tuple(dict.fromkeys(f"{label.partition('@')[0]}@{args.dtype}" for label in labels))
         groups = [dataclasses.replace(g, implementations=retype(g.implementations)) for g in groups]
@@ -159,6 +171,10 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
 
     # A pipe or a log file gets a wide table instead of rich's 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=180)
+    if args.preset == "cp":  # fake CPU devices must be asked for before jax starts a backend
+        from flashmesh.bench import context
+
+        context.use_fake_cpu_devices()
     platform = runner.platform()
     if args.list:
         list_everything(platform)
@@ -184,27 +200,36 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
         console.print("[yellow]the anchors preset is sized for a GPU; on a CPU it takes very long[/]")
     meta = report.metadata(plan, config, argv)
     directory = report.results_dir(args.out, meta)
+    cp = plan.kind == "context_parallel"
+    if cp:  # rows of strategies and orders, measured and reported by their own modules
+        from flashmesh.bench import context, context_facts, context_report
+    size = context.plan_size(plan) if cp else runner.plan_size(plan)
     console.print(f"flashmesh bench: preset [bold]{plan.name}[/] on {meta['device']} "
-                  f"({runner.plan_size(plan)} rows) -> {directory}")
+                  f"({size} rows) -> {directory}")
+    extra = context_facts.facts(plan, config) if cp else None
     done: list = []
 
     def on_result(result):  # keep results.json current, so a killed run leaves its rows
         done.append(result)
-        report.write_json(directory / "results.json", meta, done)
+        report.write_json(directory / "results.json", meta, done, extra)
 
     causal = checks.causal_check(plan.causal_check) if plan.causal_check is not None else None
     # A killed run (Ctrl-C, or SIGTERM from a time limit) still writes the report of its rows.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        results = runner.run(plan, config, on_result=on_result)
+        results = (context.run if cp else runner.run)(plan, config, on_result=on_result)
     except KeyboardInterrupt:
         results = list(done)
         console.print(f"[yellow]interrupted after {len(results)} rows: writing the report of those[/]")
         meta["interrupted_after_rows"] = len(results)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    report.print_tables(plan, results, console, causal)
-    path = report.write_report(directory, meta, plan, results, causal, make_plots=not args.no_plots)
+    if cp:
+        context_report.print_tables(plan, results, extra, console)
+        path = context_report.write_report(directory, meta, plan, results, extra, plots=not args.no_plots)
+    else:
+        report.print_tables(plan, results, console, causal)
+        path = report.write_report(directory, meta, plan, results, causal, make_plots=not args.no_plots)
     console.print(f"report: {path}")
     return 0
 

@@ -9,6 +9,8 @@ The presets are data: `codelab` reproduces the steps of the attention codelab
 (`reference/002`), `anchors` the peer measurements of `anchors/RESULTS.md`, `small` is the
 codelab at sizes a CPU runs in about a minute (the default without a GPU), `quick` is tiny
 (tests, smoke checks). Sizes that only make sense on a GPU are chosen by `platform`.
+`cp` is context parallelism on the CP tutorial's workload (`reference/003`): its rows are
+strategies and sequence orders (`CpRow`), measured by `context.py`, not implementations.
 """
 
 from __future__ import annotations
@@ -139,10 +141,14 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
+    """kind: "attention" (rows are implementations, `runner.py`) or "context_parallel" (rows
+    are strategies x orders and emulated ranks, `context.py`)."""
+
     name: str
     description: str
     groups: tuple[Group, ...]
     causal_check: Shape | None = None  # the codelab's "what did the mask change" check
+    kind: str = "attention"
 
     def shapes(self) -> list[Shape]:
         return [s for g in self.groups for s in g.shapes]
@@ -266,13 +272,119 @@ def quick(platform: str) -> Preset:
                   causal_check=mk("quick_causal_check"))
 
 
-PRESETS = {"codelab": codelab, "anchors": anchors, "small": small, "quick": quick}
+# -- context parallelism (reference/003) ------------------------------------------------------
+CP_STRATEGIES = ("ring", "all_gather", "all_to_all")
+CP_ORDERS = ("contiguous", "dual_chunk", "striped")
+ONE_DEVICE = "one_device"
+EMULATED_VARIANTS = ("steps", "ring_local")
+EMULATED_CP = 4  # the tutorial's cp_size: the ranks whose work one device runs in turn
 
 
-def preset(name: str, platform: str) -> Preset:
+@dataclasses.dataclass(frozen=True)
+class CpRow:
+    """One context-parallel row: a strategy and the order the sequence is stored in (striped
+    with its stripe size). Label: "ring/dual_chunk", "all_gather/striped:512"."""
+
+    strategy: str
+    order: str
+    stripe_size: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy}/{self.order}" + (f":{self.stripe_size}" if self.order == "striped" else "")
+
+    @classmethod
+    def parse(cls, label: str) -> "CpRow":
+        strategy, _, order = label.partition("/")
+        order, _, stripe = order.partition(":")
+        if strategy not in CP_STRATEGIES or order not in CP_ORDERS or (stripe and order != "striped"):
+            raise ValueError(f"cp row {label!r} must be <strategy>/<order>[:stripe] with strategy in "
+                             f"{CP_STRATEGIES} and order in {CP_ORDERS}, e.g. ring/striped:1")
+        if order == "striped" and not (stripe.isdigit() and int(stripe) > 0):
+            raise ValueError(f"cp row {label!r}: striped needs a positive stripe size, "
+                             f"e.g. {strategy}/striped:1")
+        return cls(strategy, order, int(stripe) if order == "striped" else None)
+
+
+CP_TUTORIAL = WORKLOAD_SHAPES[0]
+CP_SMALL = Shape("cp_tutorial_small", B=2, T=1024, N=8, K=2, Dqk=32, mask="causal", window=(128, 0),
+                 segments=(192, -64) * 4, note="tutorial 003 at CPU size: 4 slots of 256, 192 tokens each")
+CP_TINY = Shape("cp_tutorial_tiny", B=2, T=256, N=8, K=2, Dqk=16, mask="causal", window=(32, 0),
+                segments=(48, -16) * 4, note="tutorial 003, tiny (--quick): 4 slots of 64, 48 tokens each")
+# The larger stripe of each workload: the tutorial's all-gather stripe (512 of 65536 tokens), scaled.
+CP_STRIPES = {CP_TUTORIAL.name: 512, CP_SMALL.name: 16, CP_TINY.name: 4}
+
+
+def cp_rows(shape: Shape, quick: bool = False) -> tuple[str, ...]:
+    """Every strategy x order (striped with stripe 1 and the workload's larger stripe); --quick:
+    the tutorial's two cases."""
+    big = CP_STRIPES.get(shape.name, 1)
+    if quick:  # the tutorial's two cases: ring striped by 1, all-gather by its larger stripe
+        return ("ring/striped:1", f"all_gather/striped:{big}")
+    orders = ("contiguous", "dual_chunk", "striped:1", f"striped:{big}")
+    return tuple(f"{s}/{o}" for s in CP_STRATEGIES for o in orders)
+
+
+def cp(platform: str, *, quick: bool = False, devices: int | None = None) -> Preset:
+    """TransformerEngine's CP tutorial workload (B=2, T=65536, 4 packed slots of 16384 tokens with
+    12288 valid, GQA 128:8, d=128, causal window (8192, 0), bf16) on a GPU; small on a CPU, tiny
+    with --quick. cp is the number of devices (`jax.device_count()` unless given): with two or
+    more the strategies run against one device; with one device (and always on a CPU) the
+    `emulated_ranks` group runs the ranks' work of cp=4 one after another."""
+    if devices is None:
+        import jax
+
+        devices = jax.device_count()
+    shape = CP_TINY if quick else CP_TUTORIAL if platform == "gpu" else CP_SMALL
+    groups = []
+    if devices >= 2:
+        groups.append(Group(
+            "strategies", f"Context parallelism over {devices} devices against one device", (shape,),
+            (ONE_DEVICE,) + cp_rows(shape, quick),
+            description=f"cp = {devices} (every device). `one_device` is flashmesh.attention on the global "
+                        "arrays on one device; every other row is flashmesh.parallel's "
+                        "context_parallel_attention with that strategy on arrays stored in that order "
+                        "(reorder_for_context_parallel) and sharded over the mesh axis, checked against "
+                        "the one-device outputs before it is timed."))
+    if devices == 1 or platform != "gpu":
+        groups.append(Group(
+            "emulated_ranks", f"The ranks' work of cp={EMULATED_CP}, one rank after another on one device",
+            (shape,), (ONE_DEVICE,) + EMULATED_VARIANTS,
+            description=f"For cp={EMULATED_CP} in contiguous order: each rank's per-step attention calls "
+                        "(the ring's steps.attend calls with its step spec, positions, ids and K/V blocks) "
+                        "run back to back on one device, rank by rank. The sum over ranks against the "
+                        "one-device call says whether the context-parallel machinery adds compute."))
+    return Preset("cp", "Context parallelism on the CP tutorial's workload (reference/003), "
+                  "scaled to the devices present.", tuple(groups), kind="context_parallel")
+
+
+def select_cp_rows(groups: tuple[Group, ...] | list[Group], labels: list[str]) -> list[Group]:
+    """The cp groups restricted to `labels` (cp rows, emulated variants), `one_device` always
+    kept as the baseline. A label no group can run is a ValueError."""
+    for label in labels:
+        if label != ONE_DEVICE and label not in EMULATED_VARIANTS:
+            CpRow.parse(label)  # ValueError names the bad one
+    kept = []
+    for g in groups:
+        runnable = [lab for lab in labels if (lab in EMULATED_VARIANTS) == (g.name == "emulated_ranks")
+                    and lab != ONE_DEVICE]
+        if runnable:
+            kept.append(dataclasses.replace(g, implementations=(ONE_DEVICE, *dict.fromkeys(runnable))))
+    if not kept:
+        raise ValueError(f"--implementations {labels} selects no row of the cp preset's groups "
+                         f"({', '.join(g.name for g in groups)})")
+    return kept
+
+
+PRESETS = {"codelab": codelab, "anchors": anchors, "small": small, "quick": quick, "cp": cp}
+
+
+def preset(name: str, platform: str, *, quick: bool = False) -> Preset:
+    """The named preset; `quick` picks the cp preset's tiny workload (other presets cut their
+    sweeps in `cli.make_plan`)."""
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} must be one of {sorted(PRESETS)}")
-    return PRESETS[name](platform)
+    return cp(platform, quick=quick) if name == "cp" else PRESETS[name](platform)
 
 
 def default_preset(platform: str) -> str:
