@@ -140,6 +140,27 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
     return _chunked(spec, blocks, *diff, aux)
 
 
+def backward_with_stats(inputs: AttentionInputs, spec: AttentionSpec, out, lse, g_out, g_lse, *,
+                        block_sizes: BlockSizes | None = None):
+    """(dq, dk, dv, dbias) of this call's keys under a softmax whose statistics come from outside:
+    out [B, T, N, Dv] and lse [B, N, T] are the results over a *larger* key set that contains
+    these keys, g_out and g_lse their cotangents. FlashAttention's backward needs nothing else
+    (p = e^(s - lse), delta = g_out . out - g_lse), so a context-parallel ring gets each hop's
+    gradients without re-running the hop's forward. Vanilla softmax only (a sink is folded in
+    after the merge)."""
+    if spec.softmax != "vanilla":
+        raise NotImplementedError(f"backward_with_stats takes vanilla softmax, got {spec.softmax!r}")
+    if block_sizes is None:
+        block_sizes = BlockSizes.default_for(spec, current_platform())
+    blocks = block_sizes.fitted(spec)
+    inputs = masks.without_padding(inputs)
+    aux = dataclasses.replace(inputs, q=None, k=None, v=None, bias=None, sink=None)
+    diff = varying.like((inputs.q, inputs.k, inputs.v, inputs.bias), varying.varying_axes(inputs, out, lse, g_out))
+    tiles = _tiles(spec, blocks, *diff[:3], diff[3], None, aux)
+    dq, dk, dv, dbias, _ = chunked_vjp.backward(tiles, out, lse, g_out, g_lse)
+    return dq, dk, dv, dbias
+
+
 def _tiles(spec, blocks: BlockSizes, q, k, v, bias, sink, aux) -> Tiles:
     return Tiles(spec, blocks.block_q, blocks.block_kv, q, k, v, bias, sink, aux, blocks.lanes)
 

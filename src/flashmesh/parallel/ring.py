@@ -16,12 +16,10 @@ run time from their id and position ranges).
 
 Backward (a custom VJP, after ring-flash-attention). The forward keeps only its own q, k, v, the
 merged out and lse. The backward sends the K/V blocks around again, each with float32 dK/dV
-accumulators that travel with it; at each hop the step is re-run under `jax.vjp` with the
-cotangents the merge gives it,
-
-    w_d = exp(lse_d - lse),  g_out_d = w_d g_out,  g_lse_d = w_d (g_lse + g_out . (out_d - out)),
-
-and after the last hop the accumulators take one more `ppermute` home. So a rank holds at most
+accumulators that travel with it; at each hop `steps.attend_backward` computes the hop's
+gradients from the merged statistics alone (FlashAttention's backward: p = e^(s - lse), delta =
+g_out . out - g_lse), without re-running the hop's forward where the implementation offers
+that (chunked does); after the last hop the accumulators take one more `ppermute` home. So a rank holds at most
 its own K/V, the one in use and the one arriving, never the whole sequence, and autodiff does
 not keep every hop's block alive. Any per-step implementation with a VJP can run the steps.
 """
@@ -189,16 +187,8 @@ def _backward(plan, residuals, cotangents):
 
         def compute(spec, q_side, kv_d, args):
             kd, vd, dq, dk_d, dv_d, dbias = args
-
-            def step(q, kd, vd, b):
-                return steps.attend(spec, plan.implementation, q, kd, vd, b, q_side, kv_d,
-                                    seed, head_index)
-
-            (o_d, l_d), vjp = jax.vjp(step, q, kd, vd, _columns(bias, s, S))
-            w = jnp.exp(l_d.astype(ct) - lse)  # [B, N, T]: this hop's share of each row
-            w_out = jnp.swapaxes(w, 1, 2)[..., None]
-            g_lse_d = w * (g_lse + jnp.einsum("btnh,btnh->bnt", g_out, o_d.astype(ct) - out))
-            gq, gk, gv, gb = vjp(((w_out * g_out).astype(o_d.dtype), g_lse_d.astype(l_d.dtype)))
+            gq, gk, gv, gb = steps.attend_backward(spec, plan.implementation, q, kd, vd, _columns(bias, s, S),
+                                                   q_side, kv_d, seed, head_index, out, lse, g_out, g_lse)
             if dbias is not None:
                 cols = _columns(dbias, s, S) + gb.astype(ct)
                 dbias = lax.dynamic_update_slice_in_dim(dbias, cols, s * S, axis=3)

@@ -61,11 +61,37 @@ def step_spec(spec: AttentionSpec, q_len: int, kv_len: int, bias_shape) -> Atten
 def attend(spec: AttentionSpec, implementation: str | None, q, k, v, bias, q_side: Side,
            kv_side: Side, seed, head_index) -> tuple[jax.Array, jax.Array]:
     """(out [B, T, N, Dv] in q's dtype, lse [B, N, T]) of one step, through the registry."""
-    inputs = AttentionInputs(q=q, k=k, v=v, bias=bias, sink=None, q_segment_ids=q_side.ids,
-                             kv_segment_ids=kv_side.ids, q_positions=q_side.positions,
-                             kv_positions=kv_side.positions, dropout_seed=seed,
-                             q_index=q_side.index, kv_index=kv_side.index, head_index=head_index)
+    inputs = _inputs(q, k, v, bias, q_side, kv_side, seed, head_index)
     return registry.select(spec, implementation).module.attention(inputs, spec)
+
+
+def attend_backward(spec: AttentionSpec, implementation: str | None, q, k, v, bias, q_side: Side,
+                    kv_side: Side, seed, head_index, out, lse, g_out, g_lse):
+    """(dq, dk, dv, dbias) of one step inside a merged softmax whose (out, lse) and cotangents
+    (g_out, g_lse) are the merged ones. An implementation with `backward_with_stats` computes
+    them directly (FlashAttention's backward needs only the final statistics); any other re-runs
+    the step's forward under `jax.vjp` and feeds it the cotangents the merge gives it:
+    w = e^(lse_d - lse), g_out_d = w g_out, g_lse_d = w (g_lse + g_out . (out_d - out))."""
+    inputs = _inputs(q, k, v, bias, q_side, kv_side, seed, head_index)
+    module = registry.select(spec, implementation).module
+    if hasattr(module, "backward_with_stats"):
+        return module.backward_with_stats(inputs, spec, out, lse, g_out, g_lse)
+    ct = compute_dtype(q.dtype)
+
+    def step(q, k, v, b):
+        return module.attention(dataclasses.replace(inputs, q=q, k=k, v=v, bias=b), spec)
+
+    (o_d, l_d), vjp = jax.vjp(step, q, k, v, bias)
+    w = jnp.exp(l_d.astype(ct) - lse)  # [B, N, T]: this step's share of each row
+    g_lse_d = w * (g_lse + jnp.einsum("btnh,btnh->bnt", g_out, o_d.astype(ct) - out))
+    return vjp(((jnp.swapaxes(w, 1, 2)[..., None] * g_out).astype(o_d.dtype), g_lse_d.astype(l_d.dtype)))
+
+
+def _inputs(q, k, v, bias, q_side: Side, kv_side: Side, seed, head_index) -> AttentionInputs:
+    return AttentionInputs(q=q, k=k, v=v, bias=bias, sink=None, q_segment_ids=q_side.ids,
+                           kv_segment_ids=kv_side.ids, q_positions=q_side.positions,
+                           kv_positions=kv_side.positions, dropout_seed=seed,
+                           q_index=q_side.index, kv_index=kv_side.index, head_index=head_index)
 
 
 def empty_result(q, v, axes) -> tuple[jax.Array, jax.Array]:
