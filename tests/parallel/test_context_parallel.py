@@ -244,3 +244,20 @@ def test_per_shard_form_inside_users_shard_map(strategy, order, opts):
     got = jax.jit(jax.grad(loss(sharded), (0, 1, 2, 3)))(q, k, v, extra)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_documents_aligned_with_shards(strategy):
+    """Tutorial 003's layout at CPU size: a document per shard, padding at each one's end; every
+    step's positions are canonical, the case whose steps cuDNN can run on a GPU."""
+    ids = np.repeat(np.array([[1] * 6 + [0] * 2 + [2] * 6 + [0] * 2 + [3] * 6 + [0] * 2 + [4] * 6 + [0] * 2]), 2, 0)
+    _run(4, strategy, "contiguous", dict(mask="padding_causal", window=(4, 0), ids=ids.astype(np.int32)))
+
+
+def test_positions_canonical():
+    from flashmesh.parallel.steps import Side, positions_canonical
+
+    ids = jnp.array([[1, 1, 1, 2, 2, 0, 0]])
+    good = Side(ids, jnp.array([[0, 1, 2, 0, 1, 9, 9]]), jnp.arange(7))
+    cut = Side(ids, jnp.array([[4, 5, 6, 0, 1, 0, 0]]), jnp.arange(7))  # a document cut on the left
+    assert bool(positions_canonical(good)) and not bool(positions_canonical(cut))

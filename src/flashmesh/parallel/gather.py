@@ -26,6 +26,6 @@ def all_gather(spec: AttentionSpec, implementation: str | None, axis: str, q, k,
     """(out [B, T, N, Dv], lse [B, N, T]) in float32; inside shard_map over `axis`. `spec` is a
     step's spec for T local queries and the gathered key length."""
     k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
-    out, lse = steps.attend(spec, implementation, q, k_all, v_all, bias, q_side,
+    out, lse = steps.attend_segments(spec, implementation, q, k_all, v_all, bias, q_side,
                             kv_side.gathered(axis), seed, head_index)
     return out.astype(compute_dtype(q.dtype)), lse

@@ -115,8 +115,15 @@ def _dispatch(plan: Plan, i: int, r, q_side: Side, kv_side: Side, compute, skip,
         if kind == "empty":
             return skip
         if kind == "dynamic":
-            return lambda a: lax.cond(steps.may_meet(plan.spec, q_side, kv_side),
-                                      lambda a: compute(plan.spec, q_side, kv_side, a), skip, a)
+            run = lambda a: compute(plan.spec, q_side, kv_side, a)  # noqa: E731
+            canonical = steps.canonical_spec(plan.spec)
+            if canonical is not None:
+                # Documents that start inside their block (as when they align with the shards)
+                # give a mask any implementation derives itself: cuDNN can run those steps.
+                explicit = run
+                run = lambda a: lax.cond(steps.positions_canonical(q_side) & steps.positions_canonical(kv_side),  # noqa: E731
+                                         lambda a: compute(canonical, q_side, kv_side, a), explicit, a)
+            return lambda a: lax.cond(steps.may_meet(plan.spec, q_side, kv_side), run, skip, a)
         if kind == "positions":
             return lambda a: compute(plan.spec, q_side, kv_side, a)
         window = (-1, -1) if kind == "full" else plan.spec.window

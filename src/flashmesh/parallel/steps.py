@@ -24,6 +24,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from flashmesh.attention import registry, varying
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec, compute_dtype
@@ -65,6 +66,21 @@ def attend(spec: AttentionSpec, implementation: str | None, q, k, v, bias, q_sid
     return registry.select(spec, implementation).module.attention(inputs, spec)
 
 
+def attend_segments(spec: AttentionSpec, implementation: str | None, q, k, v, bias, q_side: Side,
+                    kv_side: Side, seed, head_index) -> tuple[jax.Array, jax.Array]:
+    """`attend`, and with packed segments whose positions turn out canonical at run time (the
+    documents start inside the block), the spec that says so: cuDNN can then run the step."""
+    canonical = canonical_spec(spec)
+    if canonical is None:
+        return attend(spec, implementation, q, k, v, bias, q_side, kv_side, seed, head_index)
+    axes = varying.varying_axes(q, k, v, bias, q_side, kv_side, seed)
+
+    def run(s):
+        return lambda: varying.like(attend(s, implementation, q, k, v, bias, q_side, kv_side, seed, head_index), axes)
+
+    return lax.cond(positions_canonical(q_side) & positions_canonical(kv_side), run(canonical), run(spec))
+
+
 def attend_backward(spec: AttentionSpec, implementation: str | None, q, k, v, bias, q_side: Side,
                     kv_side: Side, seed, head_index, out, lse, g_out, g_lse):
     """(dq, dk, dv, dbias) of one step inside a merged softmax whose (out, lse) and cotangents
@@ -101,6 +117,29 @@ def empty_result(q, v, axes) -> tuple[jax.Array, jax.Array]:
     out = jnp.zeros((B, T, N, v.shape[-1]), q.dtype)
     lse = jnp.full((B, N, T), EMPTY_ROW_LSE, ct)
     return varying.like((out, lse), axes)
+
+
+def canonical_spec(spec: AttentionSpec) -> AttentionSpec | None:
+    """The step spec for blocks whose positions are each token's offset from the start of its
+    run of ids inside the block (`positions_canonical`), or None when no implementation could use
+    it: the mask reads no positions, or the call's segment count is unknown (cuDNN needs it
+    statically). A block holds at most one more run than a row has documents (a document cut by
+    the block's left edge)."""
+    if spec.segments is None or not spec.causal or spec.max_segments is None:
+        return None
+    return dataclasses.replace(spec, positions_canonical=True, max_segments=spec.max_segments + 1)
+
+
+def positions_canonical(side: Side) -> jax.Array:
+    """Whether every non-padding token's position is its offset from the start of its run of
+    equal ids in this block (a scalar bool): what an implementation that derives positions from
+    segment ids (cuDNN) would use."""
+    ids, pos = side.ids, side.positions
+    L = ids.shape[1]
+    idx = jnp.arange(L, dtype=jnp.int32)[None]
+    start = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    run_start = lax.cummax(jnp.where(start, idx, 0), axis=1)
+    return jnp.all((pos == idx - run_start) | (ids == 0))
 
 
 def may_meet(spec: AttentionSpec, q_side: Side, kv_side: Side) -> jax.Array:

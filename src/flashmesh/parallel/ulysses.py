@@ -57,7 +57,7 @@ def all_to_all(spec: AttentionSpec, implementation: str | None, axis: str, cp: i
                 else lax.all_gather(bias, axis, axis=2, tiled=True))
     n = N // cp
     head_index = lax.axis_index(axis) * n + jnp.arange(n, dtype=jnp.int32)
-    out, lse = steps.attend(spec, implementation, to_heads(q), to_heads(k), to_heads(v), bias,
+    out, lse = steps.attend_segments(spec, implementation, to_heads(q), to_heads(k), to_heads(v), bias,
                             q_side.gathered(axis), kv_side.gathered(axis), seed, head_index)
     out = lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
     lse = lax.all_to_all(lse, axis, split_axis=2, concat_axis=1, tiled=True)
