@@ -310,12 +310,7 @@ def _run_strategies(group: Group, config: runner.RunConfig, one: OneDevice, adva
                 fields["error"], fields["rel_l2_error"] = checks.compare(got, refs[key])
                 fields["checked_against"] = against
                 del got
-                if not fields["error"] <= fields["tolerance"]:
-                    pending.append(CPResult(**fields, status=runner.WRONG,
-                                            reason=f"error {fields['error']:.2e} > tolerance "
-                                                   f"{fields['tolerance']:.0e} against {against}"))
-                    continue
-                pending.append(Ready(dict(fields, status=runner.OK), compiled, args))
+                pending.append(checked(fields, against, compiled, args))
             except Exception as e:  # a failing row is a row, never a crash of the sweep
                 status, reason = runner.classify(e)
                 pending.append(CPResult(**fields, status=status, reason=reason))
@@ -330,6 +325,14 @@ def _run_strategies(group: Group, config: runner.RunConfig, one: OneDevice, adva
 
 
 # -- timing and the derived columns -------------------------------------------------------------
+def checked(fields: dict, against: str, compiled, args):
+    """A row whose error is known: Ready to be timed, or a WRONG result that is never timed."""
+    if not fields["error"] <= fields["tolerance"]:
+        return CPResult(**fields, status=runner.WRONG, reason=f"error {fields['error']:.2e} > tolerance "
+                                                              f"{fields['tolerance']:.0e} against {against}")
+    return Ready(dict(fields, status=runner.OK), compiled, args)
+
+
 def time_rows(pending: list, config: runner.RunConfig) -> list[CPResult]:
     """Rows in order: the `Ready` ones timed together in interleaved rounds (each row alone if
     a call fails, so that only the failing one says why), failures as they are."""

@@ -42,7 +42,7 @@ from jax import lax
 from flashmesh.attention import api, registry
 from flashmesh.attention.spec import AttentionSpec, compute_dtype
 from flashmesh.bench import checks, flops, runner, timing
-from flashmesh.bench.context import CPResult, Ready, baselines, finish, time_rows
+from flashmesh.bench.context import CPResult, Ready, baselines, checked, finish, time_rows
 from flashmesh.bench.context_facts import choice, descriptor, segment_arrays
 from flashmesh.bench.implementations import DTYPES
 from flashmesh.bench.shapes import EMULATED_CP, ONE_DEVICE, CpRow, Group, Shape
@@ -278,12 +278,7 @@ def run_group(group: Group, config: runner.RunConfig, one, advance, on_result) -
                     fields["error"], fields["rel_l2_error"] = checks.compare(got, want)
                     fields["checked_against"] = f"{against}'s query rows of rank {r}" + (
                         " (out, dq; dk, dv summed over ranks)" if dq is not None else " (out)")
-                    if not fields["error"] <= fields["tolerance"]:
-                        rank_rows.append(CPResult(**fields, status=runner.WRONG,
-                                                  reason=f"error {fields['error']:.2e} > tolerance "
-                                                         f"{fields['tolerance']:.0e} against {against}"))
-                        continue
-                    rank_rows.append(Ready(dict(fields, status=runner.OK), compiled, call_args))
+                    rank_rows.append(checked(fields, against, compiled, call_args))
                 except Exception as e:  # a failing row is a row, never a crash of the sweep
                     status, reason = runner.classify(e)
                     rank_rows.append(CPResult(**fields, status=status, reason=reason))
