@@ -140,3 +140,23 @@ def test_candidate_labels():
         Candidate.parse("nope")
     with pytest.raises(ValueError, match="dtype 'f8'"):
         Candidate.parse("xla@f8")
+
+
+def test_a_slice_checks_the_last_batch_row(monkeypatch):
+    """A row wrong only in its last batch row (as cuDNN's dq was on the 64k tutorial workload)
+    is caught when the reference covers one batch row."""
+    shape = dataclasses.replace(GQA_BR, name="gqa_br_b3", B=3)
+
+    def build(shape, dtype, platform):
+        fn = implementations._naive(shape, dtype, platform)
+        def wrong_last_row(q, k, v, *rest):
+            out = fn(q, k, v, *rest)
+            return out.at[-1].multiply(2.0)
+        return wrong_last_row
+
+    broken = implementations.Implementation("last_row", "baseline", "wrong in the last batch row", build)
+    monkeypatch.setitem(implementations.IMPLEMENTATIONS, "last_row", broken)
+    sl = checks.choose_slice(shape, "fwd", 4 * 48 * 64 * 12)
+    assert sl.batch == 1 and "last batch rows 1/3" in sl.describe(shape)
+    r = measure(shape, "last_row", "fwd", budget=4 * 48 * 64 * 12)
+    assert r.status == runner.WRONG, r.reason

@@ -35,14 +35,20 @@ _BYTES_PER_LOGIT = {"fwd": 3 * 4, "fwdbwd": 8 * 4}
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-    """What the reference computes: batch rows [0, batch), query heads [0, heads) with key/value
-    heads [0, kv_heads), and query rows [0, head_rows) + [T - tail_rows, T) (all rows if None)."""
+    """What the reference computes: the *last* `batch` batch rows, query heads [0, heads) with
+    key/value heads [0, kv_heads), and query rows [0, head_rows) + [T - tail_rows, T) (all rows
+    if None). The last rows, because they sit at the largest offsets: an indexing bug shows there
+    first (cuDNN's dq of tutorial 003's 64k workload was right for row 0 and wrong for row 1,
+    which a check of row 0 passed)."""
 
     batch: int
     heads: int
     kv_heads: int
     head_rows: int | None = None
     tail_rows: int | None = None
+
+    def batch_rows(self, B: int) -> slice:
+        return slice(B - self.batch, B)
 
     def rows(self, T: int) -> np.ndarray | None:
         if self.head_rows is None:
@@ -55,7 +61,7 @@ class Slice:
     def describe(self, shape: Shape) -> str:
         if self.is_full(shape):
             return "reference (float32)"
-        parts = [f"batch {self.batch}/{shape.B}", f"heads {self.heads}/{shape.N}"]
+        parts = [f"last batch rows {self.batch}/{shape.B}", f"heads {self.heads}/{shape.N}"]
         if self.head_rows is not None:
             parts.append(f"query rows {self.head_rows + self.tail_rows}/{shape.T} (first and last)")
         return "reference (float32) on " + ", ".join(parts)
@@ -122,8 +128,9 @@ def _reference_fn(shape: Shape, sl: Slice):
 def slice_outputs(sl: Slice, shape: Shape, out, grads=None):
     """The row's outputs restricted to the slice: [out] or [out, dq, dk, dv]."""
     rows = sl.rows(shape.T)
-    take_q = lambda x: x[:sl.batch, :, :sl.heads] if rows is None else x[:sl.batch, rows, :sl.heads]
-    take_kv = lambda x: x[:sl.batch, :, :sl.kv_heads]
+    b = sl.batch_rows(shape.B)
+    take_q = lambda x: x[b, :, :sl.heads] if rows is None else x[b, rows, :sl.heads]
+    take_kv = lambda x: x[b, :, :sl.kv_heads]
     result = [take_q(out)]
     if grads is not None:
         dq, dk, dv = grads
@@ -137,7 +144,7 @@ def cotangent_for_check(sl: Slice, shape: Shape, do: jax.Array) -> jax.Array:
         return do
     keep = np.zeros(do.shape[:3], bool)
     rows = sl.rows(shape.T)
-    keep[:sl.batch, slice(None) if rows is None else rows, :sl.heads] = True
+    keep[sl.batch_rows(shape.B), slice(None) if rows is None else rows, :sl.heads] = True
     return jnp.where(jnp.asarray(keep)[..., None], do, jnp.zeros((), do.dtype))
 
 
@@ -145,10 +152,11 @@ def reference_outputs(shape: Shape, sl: Slice, mode: str, q, k, v, segment_ids, 
     """The float32 reference on the slice: [out] or [out, dq, dk, dv]."""
     rows = sl.rows(shape.T)
     f32 = lambda x: x.astype(jnp.float32)
-    take_q = lambda x: x[:sl.batch, :, :sl.heads] if rows is None else x[:sl.batch, rows, :sl.heads]
+    b = sl.batch_rows(shape.B)
+    take_q = lambda x: x[b, :, :sl.heads] if rows is None else x[b, rows, :sl.heads]
     qs, dos = f32(take_q(q)), f32(take_q(do))
-    ks, vs = f32(k[:sl.batch, :, :sl.kv_heads]), f32(v[:sl.batch, :, :sl.kv_heads])
-    seg = None if segment_ids is None or rows is not None else segment_ids[:sl.batch]
+    ks, vs = f32(k[b, :, :sl.kv_heads]), f32(v[b, :, :sl.kv_heads])
+    seg = None if segment_ids is None or rows is not None else segment_ids[b]
     f = _reference_fn(shape, sl)
 
     @jax.jit
