@@ -63,8 +63,8 @@ CUDNN_SM103 = 91100  # compute capability 10.3 itself
 # cuDNN when they would exceed this (named explicitly, it runs whatever the size).
 AUTO_PACKED_STATS_BYTES = 2**30
 # Seen on the H200 (2026-12-01, tutorial 003's packed workload B=2, T=65536, N=128, Dqk=128):
-# cuDNN's dq is right for batch row 0 and wrong for row 1 (errors 1.0-1.6 against the float32
-# reference; chunked 2.5e-3). q there holds exactly 2^31 elements: the float32 dq of row 1
+# cuDNN's dq is right for batch row 0 and wrong for row 1 (its fwd+bwd outputs differ from
+# chunked's by 1.0 relative: benchmarks/results/2026-12-01-nvidia-h200-cp). q holds 2^31 elements: the float32 dq of row 1
 # starts at byte 2^32, which points at 32-bit byte offsets in cuDNN's backward. Until
 # benchmarks/probe_cudnn_packed.py pins the bound on a GPU, cuDNN refuses calls whose q holds
 # this many elements or more: a slower right answer beats a fast wrong one.

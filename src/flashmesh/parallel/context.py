@@ -196,7 +196,7 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
     kv_side = Side(None if kv_ids is None else reorder(kv_ids), None if kv_pos is None else reorder(kv_pos),
                    jnp.asarray(layouts.global_token_index(order, cp, spec.kv_len, stripe_size), jnp.int32))
 
-    hops, kinds = _static_pairs(spec, cp, order, stripe_size)
+    hops, kinds = static_pairs(spec, cp, order, stripe_size)
     choice = choose_strategy(spec, cp, hops, strategy, heads_split=head_axis is not None)
     if choice.strategy == "all_to_all" and (spec.num_heads // tp) % cp:
         raise ValueError(f"strategy='all_to_all' needs num_heads per rank ({spec.num_heads // tp}) to be a "
@@ -257,7 +257,7 @@ def run_strategy(strategy: str, spec: AttentionSpec, axis: str, cp: int, impleme
     return all_to_all(step, implementation, axis, cp, q, k, v, bias, q_side, kv_side, seed)
 
 
-def _static_pairs(spec: AttentionSpec, cp: int, order: str, stripe_size):
+def static_pairs(spec: AttentionSpec, cp: int, order: str, stripe_size):
     """(hops, kinds) from the static mask: which ring hops run and what each rank does there.
 
     Without segments the schedule is exact. With segments, positions restart in every document,
@@ -283,7 +283,7 @@ def explain(q, k=None, v=None, *, mesh=None, axis="cp", strategy="auto", order="
     jax.eval_shape(lambda q, k, v: specs.append(api.normalize(q, k, v, **options)[1]) or 0, q, k, v)
     spec = specs[0]
     stripe_size = layouts.check_order(order, cp, spec.q_len, stripe_size)
-    hops, _ = _static_pairs(spec, cp, order, stripe_size)
+    hops, _ = static_pairs(spec, cp, order, stripe_size)
     return choose_strategy(spec, cp, hops, strategy)
 
 

@@ -137,10 +137,6 @@ def _dispatch(plan: Plan, i: int, r, q_side: Side, kv_side: Side, compute, skip,
     return lax.switch(table[r], [branch(k) for k in present], args)
 
 
-def _axes(*trees):
-    return varying.varying_axes(*trees)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ring(plan: Plan, q, k, v, bias, q_side: Side, kv_side: Side, seed, head_index):
     """(out [B, T, N, Dv], lse [B, N, T]) of the rank's queries against every rank's keys, in
@@ -151,7 +147,7 @@ def ring(plan: Plan, q, k, v, bias, q_side: Side, kv_side: Side, seed, head_inde
 def _forward(plan, q, k, v, bias, q_side, kv_side, seed, head_index):
     r = lax.axis_index(plan.axis)
     S = k.shape[1]
-    axes = _axes(q, k, v, bias, q_side, kv_side, seed)
+    axes = varying.varying_axes(q, k, v, bias, q_side, kv_side, seed)
     out = lse = None
     block, at = (k, v, kv_side), 0
     for i, d in enumerate(plan.hops):
@@ -181,7 +177,7 @@ def _backward(plan, residuals, cotangents):
     ct = compute_dtype(q.dtype)
     r = lax.axis_index(plan.axis)
     S = k.shape[1]
-    axes = _axes(q, k, v, bias, q_side, kv_side, seed, out, lse, g_out, g_lse)
+    axes = varying.varying_axes(q, k, v, bias, q_side, kv_side, seed, out, lse, g_out, g_lse)
     g_out, g_lse = g_out.astype(ct), g_lse.astype(ct)
     dq = varying.like(jnp.zeros(q.shape, ct), axes)
     dbias = None if bias is None else varying.like(jnp.zeros(bias.shape, ct), axes)
@@ -209,8 +205,4 @@ def _backward(plan, residuals, cotangents):
             None if bias is None else dbias.astype(bias.dtype), None, None, None, None)
 
 
-def _ring_fwd(plan, q, k, v, bias, q_side, kv_side, seed, head_index):
-    return _forward(plan, q, k, v, bias, q_side, kv_side, seed, head_index)
-
-
-ring.defvjp(_ring_fwd, _backward)
+ring.defvjp(_forward, _backward)

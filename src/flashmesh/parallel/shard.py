@@ -21,7 +21,7 @@ from jax import lax
 from flashmesh.attention import api, layouts as attention_layouts
 from flashmesh.attention.reference import sink_logit
 from flashmesh.parallel import layouts
-from flashmesh.parallel.context import STRATEGIES, _static_pairs, choose_strategy, run_strategy
+from flashmesh.parallel.context import STRATEGIES, static_pairs, choose_strategy, run_strategy
 from flashmesh.parallel.merge import finalize_sink
 from flashmesh.parallel.steps import Side
 
@@ -78,7 +78,7 @@ def context_parallel_shard(q, k=None, v=None, *, axis: str = "cp", strategy: str
         kv_pos = jnp.broadcast_to(kv_index, (spec.batch, S))
     q_side = Side(inputs.q_segment_ids, q_pos, q_index)
     kv_side = Side(inputs.kv_segment_ids, kv_pos, kv_index)
-    hops, kinds = _static_pairs(spec, cp, order, stripe_size)
+    hops, kinds = static_pairs(spec, cp, order, stripe_size)
     choice = choose_strategy(spec, cp, hops, strategy)
     if choice.strategy == "all_to_all" and spec.num_heads % cp:
         raise ValueError(f"strategy='all_to_all' needs num_heads ({spec.num_heads}) to be a multiple of cp={cp}")
