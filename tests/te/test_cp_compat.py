@@ -121,11 +121,18 @@ def test_autocast_installs_the_mesh_resource_and_restores_it():
             pass
 
 
-def test_fp8_autocast_is_not_available_yet():
-    with pytest.raises(NotImplementedError, match="FP8 autocast .* not yet available"):
-        te.autocast(enabled=True)
-    with pytest.raises(NotImplementedError, match="FP8 autocast"):
-        te.autocast(enabled=True, mesh_resource=MeshResource(cp_resource="cp"))
+def test_autocast_sets_fp8_and_mesh_resource_together():
+    from flashmesh.quantization import active_recipe
+    from flashmesh.te.recipe import DelayedScaling, MXFP8BlockScaling
+    from flashmesh.te.sharding import current_mesh_resource
+    resource = MeshResource(cp_resource="cp")
+    with te.autocast(enabled=True, mesh_resource=resource):
+        assert active_recipe() == DelayedScaling()  # recipe=None means DelayedScaling, as in TE
+        assert current_mesh_resource() is resource
+    assert active_recipe() is None and current_mesh_resource() is None
+    with pytest.raises(NotImplementedError, match="Blackwell"):
+        with te.autocast(enabled=True, recipe=MXFP8BlockScaling()):
+            pass
 
 
 # -- reorders equal TransformerEngine's definitions ----------------------------------------------

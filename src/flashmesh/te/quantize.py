@@ -1,42 +1,54 @@
-"""TransformerEngine's `te.autocast(enabled, recipe, mesh_resource)` (its `transformer_engine.jax.
-quantize`), without FP8 for now.
+"""TransformerEngine's `te.autocast(enabled, recipe, mesh_resource)` (its
+`transformer_engine.jax.quantize`).
 
-What it does today: installs `mesh_resource` (a `flashmesh.te.sharding.MeshResource`) for the
-block, which the context-parallel mapping of `fused_attn` / `DotProductAttention` reads for
-its sequence, batch and head axes. TransformerEngine's tutorials use it that way:
+Two things at once, as in TransformerEngine:
+* FP8: with `enabled=True` the block's flashmesh modules run their GEMMs in FP8 under `recipe`
+  (None means DelayedScaling(), TE's default); `init` inside the block creates the modules'
+  `fp8_metas` state (`flashmesh.quantization`).
+* `mesh_resource` (a `flashmesh.te.sharding.MeshResource`) is current in the block; the
+  context-parallel mapping of `fused_attn` / `DotProductAttention` reads its axes:
 
     with jax.set_mesh(mesh), te.autocast(mesh_resource=MeshResource(cp_resource="cp")):
         loss, grads = grad_fn(qkv, seq_desc, dout)
 
-FP8 (`enabled=True`) is not implemented yet and raises NotImplementedError at the call, so
-no block ever runs believing it is quantised. `recipe` only matters when enabled, as in
-TransformerEngine, so it is accepted and unused while `enabled=False`.
+`fp8_autocast(enabled, fp8_recipe, mesh_resource)` is TE's older name.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+from flashmesh.quantization.autocast import autocast as fp8_block
+from flashmesh.quantization.state import update_fp8_metas
 from flashmesh.te.sharding import MeshResource, global_shard_guard
 
-__all__ = ["autocast"]
-
-FP8_TODO = ("FP8 autocast (enabled=True) is not yet available in flashmesh: flashmesh.te.autocast "
-            "only installs mesh_resource for now")
+__all__ = ["autocast", "fp8_autocast", "update_collections"]
 
 
+@contextlib.contextmanager
 def autocast(enabled: bool = False, recipe=None, mesh_resource: MeshResource | None = None):
-    """Context manager: `mesh_resource` is the current MeshResource inside the block.
+    """Context manager: FP8 (`enabled`, `recipe`) and `mesh_resource` for the block.
 
     Args:
-      enabled: FP8 quantisation; True raises NotImplementedError (not yet available).
-      recipe: the FP8 recipe; unused while `enabled=False` (as in TransformerEngine).
+      enabled: run the block's GEMMs in FP8.
+      recipe: the FP8 recipe (flashmesh.te.recipe); None means DelayedScaling(). Unused while
+        `enabled=False`, as in TransformerEngine.
       mesh_resource: a MeshResource, or None for none (an outer one is hidden in the block).
 
     Example:
-      >>> with te.autocast(mesh_resource=MeshResource(cp_resource="cp")):
-      ...     ...
+      >>> with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=16)):
+      ...     variables = model.init(key, x)
     """
-    if not isinstance(enabled, bool):
-        raise ValueError(f"enabled must be a bool, got {enabled!r}")
-    if enabled:
-        raise NotImplementedError(FP8_TODO)
-    return global_shard_guard(mesh_resource)
+    with fp8_block(enabled=enabled, recipe=recipe), global_shard_guard(mesh_resource):
+        yield
+
+
+def fp8_autocast(enabled: bool = False, fp8_recipe=None, mesh_resource: MeshResource | None = None):
+    """TransformerEngine's deprecated name of `autocast`."""
+    return autocast(enabled=enabled, recipe=fp8_recipe, mesh_resource=mesh_resource)
+
+
+def update_collections(new: dict, original: dict) -> dict:
+    """TE's helper: `original` with the collections of `new` written over it. Given a step's
+    gradients as `new`, only `fp8_metas` is taken (see flashmesh.quantization.update_fp8_metas)."""
+    return update_fp8_metas(original, new)

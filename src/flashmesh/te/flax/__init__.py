@@ -1,5 +1,10 @@
-"""`transformer_engine.jax.flax` names: Flax modules mapped onto flashmesh."""
+"""`transformer_engine.jax.flax` names: flashmesh's Flax modules under TransformerEngine's
+fields and defaults (the modules of `flashmesh.nn` use TE's field names themselves, so these
+are the same classes; DotProductAttention maps TE's fields onto `flashmesh.attention`)."""
 
+from flashmesh.nn.dense import DenseGeneral, LayerNormDenseGeneral
+from flashmesh.nn.layernorm import LayerNorm
+from flashmesh.nn.mlp import LayerNormMLP
 from flashmesh.te.flax.transformer import DotProductAttention
 
-__all__ = ["DotProductAttention"]
+__all__ = ["DenseGeneral", "DotProductAttention", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]

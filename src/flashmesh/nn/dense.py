@@ -1,0 +1,219 @@
+"""`dense_general` and the `DenseGeneral` / `LayerNormDenseGeneral` modules (TE's fields).
+
+The math is `dense_general(x, kernel, n_contract, recipe, state)`: x's trailing `n_contract`
+axes contract with the kernel's leading ones, as one 2-D GEMM [M, K] @ [K, N]. Outside FP8
+autocast it is an ordinary dot in x's dtype (the kernel is cast to it); inside, it is
+`flashmesh.quantization.dense` (FP8 GEMMs forward and backward, the kernel quantised from its
+float32 parameter, as in TransformerEngine).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen import partitioning
+from jax import lax
+from jaxtyping import Array, Float
+
+from flashmesh.nn.layernorm import layernorm, layernorm_params
+from flashmesh.quantization import state as qstate
+from flashmesh.quantization.dense import dense as fp8_dense
+
+__all__ = ["dense_general", "DenseGeneral", "LayerNormDenseGeneral", "default_kernel_init",
+           "constrain", "contracting_axes"]
+
+
+def default_kernel_init(n_in: int, n_out: int) -> Callable:
+    """TE's default: variance_scaling(1, 'fan_in', 'truncated_normal') over the in/out axes."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                            in_axis=tuple(range(n_in)),
+                                            out_axis=tuple(range(n_in, n_in + n_out)))
+
+
+def constrain(x: jax.Array, axes) -> jax.Array:
+    """A logical-axis sharding constraint on x (TE's *_input_axes); none when axes is empty."""
+    if not axes:
+        return x
+    return nn.with_logical_constraint(x, tuple(axes))
+
+
+def contracting_axes(axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    """Normalise `axis` (int or tuple, negative allowed) to sorted positive input axes."""
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    out = tuple(sorted(a % ndim for a in axes))
+    if len(set(out)) != len(out) or any(not -ndim <= a < ndim for a in axes):
+        raise ValueError(f"axis={axis!r} must name distinct axes of the {ndim}-D input")
+    return out
+
+
+def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n_contract: int,
+                  recipe=None, state=None) -> Float[Array, "... N..."]:
+    """x's trailing `n_contract` axes contracted with kernel's leading ones, in x's dtype.
+
+    recipe None: a dot in x's dtype; otherwise an FP8 GEMM (`flashmesh.quantization.dense`)
+    with the GEMM's state (DelayedScaling) or None (current scaling)."""
+    lead, inner = x.shape[:x.ndim - n_contract], x.shape[x.ndim - n_contract:]
+    if tuple(kernel.shape[:n_contract]) != tuple(inner):
+        raise ValueError(f"kernel's contracted shape {kernel.shape[:n_contract]} must equal the "
+                         f"input's {inner}")
+    out_shape = kernel.shape[n_contract:]
+    k_dim, n_dim = math.prod(inner), math.prod(out_shape)
+    x2, k2 = x.reshape(-1, k_dim), kernel.reshape(k_dim, n_dim)
+    if recipe is None:
+        y = lax.dot_general(x2, k2.astype(x.dtype), (((1,), (0,)), ((), ())))
+    else:
+        y = fp8_dense(x2, k2, state, recipe)
+    return y.reshape(*lead, *out_shape)
+
+
+def _features(features) -> tuple[int, ...]:
+    return (features,) if isinstance(features, int) else tuple(features)
+
+
+class _Projection(nn.Module):
+    """What DenseGeneral and LayerNormDenseGeneral share: kernel, bias, LoRA, the GEMM."""
+
+    def project(self, x, axes: tuple[int, ...], postfix: str = "") -> jax.Array:
+        features = _features(self.features)
+        if axes != tuple(range(x.ndim - len(axes), x.ndim)):  # contracted axes go last
+            x = jnp.moveaxis(x, axes, tuple(range(x.ndim - len(axes), x.ndim)))
+        n_in = len(axes)
+        in_shape = x.shape[x.ndim - n_in:]
+        init = self.kernel_init or default_kernel_init(n_in, len(features))
+        kernel = partitioning.param_with_axes("kernel", init, (*in_shape, *features), self.dtype,
+                                              axes=tuple(self.kernel_axes), module=self)
+        recipe, state = qstate.gemm_state(self, postfix)
+        y = dense_general(x, kernel, n_in, recipe, state)
+        if self.enable_low_rank_adaptation:
+            y = y + self._lora(x, in_shape, features)
+        if self.use_bias:
+            bias = partitioning.param_with_axes("bias", self.bias_init, features, self.dtype,
+                                                axes=tuple(self.bias_axes), module=self)
+            y = y + bias.astype(y.dtype)
+        return y
+
+    def _lora(self, x, in_shape, features) -> jax.Array:
+        """TE's low-rank adaptation: x A B * alpha / r (B starts at zero), in x's dtype."""
+        r = self.low_rank_adaptation_dim
+        a = self.param("lora_a_kernel", default_kernel_init(len(in_shape), 1), (*in_shape, r), self.dtype)
+        b = self.param("lora_b_kernel", nn.initializers.zeros, (r, *features), self.dtype)
+        y = dense_general(dense_general(x, a, len(in_shape)), b, 1)
+        alpha = self.low_rank_adaptation_alpha
+        return y if alpha is None else y * jnp.asarray(alpha / r, y.dtype)
+
+
+def _no_checkpoint_name(module) -> None:
+    if module.quantization_checkpoint_name is not None:
+        raise NotImplementedError("quantization_checkpoint_name: flashmesh saves the quantised "
+                                  "operands as its FP8 GEMM's residuals; naming them for remat "
+                                  "policies is not supported")
+
+
+class DenseGeneral(_Projection):
+    """y = x @ kernel (+ bias) over `axis` (TransformerEngine's `DenseGeneral`).
+
+    Attributes:
+      features: output shape (int or tuple); kernel is [x.shape[axis]..., features...].
+      kernel_init: None = variance_scaling(1, 'fan_in', 'truncated_normal').
+      kernel_axes, bias_axes: logical axis names of kernel and bias.
+      use_bias: add `bias` [features...] (TE's default True).
+      bias_init: the bias initialiser.
+      enable_low_rank_adaptation, low_rank_adaptation_dim, low_rank_adaptation_alpha: LoRA.
+      axis: the contracted input axes (int or tuple).
+      dtype: the parameters' dtype; the GEMM runs in the input's dtype, or FP8 under autocast.
+      input_axes: logical sharding constraint on the input.
+      transpose_batch_sequence: accepted (the GEMM does not care which leading axis is which).
+      quantization_checkpoint_name: None (a name raises NotImplementedError).
+
+    Example:
+      >>> y = DenseGeneral(features=3 * 4096, use_bias=True).apply(variables, x)  # x [B, T, 4096]
+    """
+
+    features: int | tuple[int, ...]
+    kernel_init: Callable | None = None
+    kernel_axes: tuple[str, ...] = ()
+    use_bias: bool = True
+    bias_init: Callable = nn.initializers.zeros
+    bias_axes: tuple[str, ...] = ()
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: float | None = None
+    axis: int | tuple[int, ...] = -1
+    dtype: Any = jnp.float32
+    input_axes: tuple[str, ...] = ()
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        _no_checkpoint_name(self)
+        inputs = constrain(inputs, self.input_axes)
+        return self.project(inputs, contracting_axes(self.axis, inputs.ndim))
+
+
+class LayerNormDenseGeneral(_Projection):
+    """LayerNorm (optional) then DenseGeneral (TransformerEngine's `LayerNormDenseGeneral`).
+
+    Attributes: those of LayerNorm (layernorm_type, epsilon, zero_centered_gamma, scale_init,
+    scale_axes, ln_bias_init, ln_bias_axes) and DenseGeneral (features, kernel_*, use_bias (TE
+    default False), bias_*, LoRA, axis, dtype), plus:
+      enable_layernorm: apply the LayerNorm first (its params `scale`, `ln_bias`).
+      return_layernorm_output: also return the normalised input (else None).
+      layernorm_input_axes, dot_input_axes: logical sharding constraints.
+      depth_scaling: divide the output by this (None: no scaling).
+
+    Returns (y, layernorm output or None).
+
+    Example:
+      >>> qkv, _ = LayerNormDenseGeneral(features=3 * 4096, epsilon=1e-5, use_bias=True).apply(v, x)
+    """
+
+    features: int | tuple[int, ...]
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Callable | None = None
+    scale_axes: tuple[str, ...] = ("embed",)
+    ln_bias_init: Callable = nn.initializers.zeros
+    ln_bias_axes: tuple[str, ...] = ("embed",)
+    kernel_init: Callable | None = None
+    kernel_axes: tuple[str, ...] = ()
+    use_bias: bool = False
+    bias_init: Callable = nn.initializers.zeros
+    bias_axes: tuple[str, ...] = ()
+    return_layernorm_output: bool = False
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: float | None = None
+    axis: int | tuple[int, ...] = -1
+    dtype: Any = jnp.float32
+    layernorm_input_axes: tuple[str, ...] | None = None
+    dot_input_axes: tuple[str, ...] | None = None
+    depth_scaling: float | None = None
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        _no_checkpoint_name(self)
+        x = inputs
+        if self.enable_layernorm:
+            x = constrain(x, self.layernorm_input_axes)
+            scale, bias = layernorm_params(
+                self, x.shape[-1], layernorm_type=self.layernorm_type,
+                zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
+                scale_axes=self.scale_axes, bias_init=self.ln_bias_init,
+                bias_axes=self.ln_bias_axes, dtype=self.dtype)
+            x = layernorm(x, scale, bias, layernorm_type=self.layernorm_type,
+                          epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
+        ln_out = x if self.return_layernorm_output else None
+        x = constrain(x, self.dot_input_axes)
+        y = self.project(x, contracting_axes(self.axis, x.ndim))
+        if self.depth_scaling is not None:
+            y = y / jnp.asarray(self.depth_scaling, y.dtype)
+        return y, ln_out

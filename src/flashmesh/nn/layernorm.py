@@ -1,0 +1,118 @@
+"""`layernorm` and the `LayerNorm` module (TransformerEngine's fields and parameter names).
+
+    layernorm:  y = (x - mean) / sqrt(var + eps) * gamma + beta
+    rmsnorm:    y = x / sqrt(mean(x^2) + eps) * gamma
+    zero_centered_gamma: gamma is stored as (gamma - 1), initialised to 0, so weight decay pulls
+                         the layer towards the identity
+
+over the last axis, computed in float32 and returned in x's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen import partitioning
+from jaxtyping import Array, Float
+
+__all__ = ["layernorm", "LayerNorm", "LAYERNORM_TYPES", "layernorm_params"]
+
+LAYERNORM_TYPES = ("layernorm", "rmsnorm")
+
+
+def check_layernorm_type(layernorm_type: str) -> str:
+    if layernorm_type not in LAYERNORM_TYPES:
+        raise ValueError(f"layernorm_type must be one of {LAYERNORM_TYPES}, got {layernorm_type!r}")
+    return layernorm_type
+
+
+def layernorm(x: Float[Array, "... H"], scale: Float[Array, "H"], bias: Float[Array, "H"] | None, *,
+              layernorm_type: str = "layernorm", epsilon: float = 1e-6,
+              zero_centered_gamma: bool = False) -> Float[Array, "... H"]:
+    """LayerNorm or RMSNorm of x over its last axis (float32 inside, x's dtype out).
+
+    Args:
+      x: [..., H] input.
+      scale: [H] gamma (gamma - 1 when zero_centered_gamma).
+      bias: [H] beta for "layernorm"; None for "rmsnorm" (which has none).
+      layernorm_type: "layernorm" or "rmsnorm".
+      epsilon: added to the variance.
+      zero_centered_gamma: scale holds gamma - 1.
+
+    Example:
+      >>> y = layernorm(x, jnp.ones(64), jnp.zeros(64), epsilon=1e-5)
+    """
+    check_layernorm_type(layernorm_type)
+    xf = x.astype(jnp.float32)
+    if layernorm_type == "layernorm":
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        xf = xf - mean
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(var + jnp.float32(epsilon))
+    gamma = scale.astype(jnp.float32)
+    if zero_centered_gamma:
+        gamma = gamma + 1.0
+    y = y * gamma
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def layernorm_params(module: nn.Module, features: int, *, layernorm_type: str,
+                     zero_centered_gamma: bool, scale_init: Callable | None, scale_axes,
+                     bias_init: Callable, bias_axes, dtype, scale_name: str = "scale",
+                     bias_name: str = "ln_bias"):
+    """Declare (scale, bias or None) on `module` under TE's names and logical axes."""
+    check_layernorm_type(layernorm_type)
+    if scale_init is None:
+        scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
+    scale = partitioning.param_with_axes(scale_name, scale_init, (features,), dtype,
+                                         axes=tuple(scale_axes), module=module)
+    bias = None
+    if layernorm_type == "layernorm":
+        bias = partitioning.param_with_axes(bias_name, bias_init, (features,), dtype,
+                                            axes=tuple(bias_axes), module=module)
+    return scale, bias
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm / RMSNorm over the last axis (TransformerEngine's `LayerNorm`).
+
+    Attributes:
+      epsilon: added to the variance (TE default 1e-6).
+      layernorm_type: "layernorm" or "rmsnorm".
+      zero_centered_gamma: store gamma - 1 (initialised to 0).
+      scale_init: gamma's initialiser (None: ones, or zeros when zero-centred).
+      scale_axes, bias_axes: logical axis names of the parameters.
+      bias_init: beta's initialiser.
+      dtype: the parameters' dtype (computation follows the input's dtype).
+      transpose_batch_sequence: accepted (the last axis is normalised either way).
+
+    Parameters: `scale` [H], `ln_bias` [H] (layernorm only).
+
+    Example:
+      >>> y = LayerNorm(epsilon=1e-5).apply(variables, x)     # x [B, T, H]
+    """
+
+    epsilon: float = 1e-6
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    scale_init: Callable | None = None
+    scale_axes: tuple[str, ...] = ("embed",)
+    bias_init: Callable = nn.initializers.zeros
+    bias_axes: tuple[str, ...] = ("embed",)
+    dtype: Any = jnp.float32
+    transpose_batch_sequence: bool = False
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
+        scale, bias = layernorm_params(
+            self, x.shape[-1], layernorm_type=self.layernorm_type,
+            zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
+            scale_axes=self.scale_axes, bias_init=self.bias_init, bias_axes=self.bias_axes,
+            dtype=self.dtype)
+        return layernorm(x, scale, bias, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                         zero_centered_gamma=self.zero_centered_gamma)

@@ -1,0 +1,179 @@
+"""`activation` and the `LayerNormMLP` module (TransformerEngine's fields and parameter names).
+
+    LayerNormMLP(x) = dropout(act(layernorm(x) @ wi + wi_bias)) @ wo + wo_bias
+
+with `wi_kernel` [H, n, F] for n = len(activations): one activation, e.g. ('gelu',), or a
+gated pair, e.g. ('gelu', 'linear') (GeGLU) or ('silu', 'linear') (SwiGLU), where
+act(h) = f(h[..., 0, :]) * g(h[..., 1, :]). Under FP8 autocast both GEMMs run in FP8 with
+their own state (postfixes "_0" and "_1").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen import partitioning
+from jax.ad_checkpoint import checkpoint_name
+
+from flashmesh.nn.dense import constrain, default_kernel_init, dense_general
+from flashmesh.nn.layernorm import layernorm, layernorm_params
+from flashmesh.quantization import state as qstate
+
+__all__ = ["ACTIVATIONS", "activation", "LayerNormMLP"]
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),   # TE's gelu is the tanh form
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "squared_relu": lambda x: jnp.square(jax.nn.relu(x)),
+    "linear": lambda x: x,
+}
+
+
+def _activation_names(activation_type) -> tuple[str, ...]:
+    names = tuple(a.lower() if isinstance(a, str) else a for a in activation_type)
+    if not 1 <= len(names) <= 2:
+        raise ValueError(f"activation_type must hold one activation or a gated pair, got {activation_type!r}")
+    unknown = [a for a in names if a not in ACTIVATIONS]
+    if unknown:
+        raise ValueError(f"activation_type: unknown {unknown}; expected names from {sorted(ACTIVATIONS)}")
+    return names
+
+
+def activation(x: jax.Array, activation_type: Sequence[str] = ("gelu",), quantizer=None,
+               act_params=None) -> jax.Array:
+    """TE's `activation`: x [..., n, F] with n = len(activation_type) -> [..., F].
+
+    One activation applies to x[..., 0, :]; a pair multiplies the first applied to x[..., 0, :]
+    by the second applied to x[..., 1, :] (gated: ('gelu', 'linear') is GeGLU). Computed in
+    float32, returned in x's dtype.
+
+    Example:
+      >>> y = activation(h.reshape(*h.shape[:-1], 1, h.shape[-1]), ("gelu",))
+    """
+    if quantizer is not None:
+        raise NotImplementedError("activation(quantizer=...): flashmesh quantises a GEMM's input "
+                                  "inside the GEMM; pass quantizer=None")
+    if act_params is not None:
+        raise NotImplementedError("activation(act_params=...) (clamped SwiGLU parameters) is not supported")
+    names = _activation_names(activation_type)
+    if x.ndim < 2 or x.shape[-2] != len(names):
+        raise ValueError(f"activation: x.shape[-2] must equal len(activation_type)={len(names)}, "
+                         f"got x.shape={x.shape}")
+    xf = x.astype(jnp.float32)
+    y = ACTIVATIONS[names[0]](xf[..., 0, :])
+    if len(names) == 2:
+        y = y * ACTIVATIONS[names[1]](xf[..., 1, :])
+    return y.astype(x.dtype)
+
+
+class LayerNormMLP(nn.Module):
+    """LayerNorm, then a two-GEMM MLP with (gated) activation (TransformerEngine's `LayerNormMLP`).
+
+    Attributes:
+      intermediate_dim: F, the hidden width.
+      enable_layernorm, layernorm_type, epsilon, zero_centered_gamma, scale_init, scale_axes,
+        ln_bias_init, ln_bias_axes: the LayerNorm (params `scale`, `ln_bias`).
+      kernel_init: None = variance_scaling(1, 'fan_in', 'truncated_normal').
+      kernel_axes_1, kernel_axes_2: logical axes of wi_kernel [H, n, F] and wo_kernel [F, H].
+      use_bias, bias_init, bias_axes_1, bias_axes_2: wi_bias [n, F], wo_bias [H].
+      return_layernorm_output: also return the normalised input (else None).
+      activations: one name or a gated pair (see `activation`); activation_params: None.
+      intermediate_dropout_rng_name, intermediate_dropout_rate, intermediate_hidden_dropout_dims:
+        dropout on the activation's output (broadcast along the given dims).
+      axis: -1 only (as in TE).
+      dtype: the parameters' dtype; GEMMs run in the input's dtype, or FP8 under autocast.
+      layernorm_input_axes, dot_1_input_axes, dot_2_input_axes: logical sharding constraints.
+      ffn1_ckpt_name, ffn2_ckpt_name: remat names of the two GEMMs' outputs.
+      transpose_batch_sequence: accepted (the MLP does not care).
+
+    Call: (x, deterministic=False) -> (y, layernorm output or None).
+
+    Example:
+      >>> y, _ = LayerNormMLP(intermediate_dim=16384, epsilon=1e-5, use_bias=True)(x, deterministic=True)
+    """
+
+    intermediate_dim: int = 2048
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Callable | None = None
+    scale_axes: tuple[str, ...] = ("embed",)
+    ln_bias_init: Callable = nn.initializers.zeros
+    ln_bias_axes: tuple[str, ...] = ("embed",)
+    kernel_init: Callable | None = None
+    kernel_axes_1: tuple[str, ...] = ("embed", "act", "mlp")
+    kernel_axes_2: tuple[str, ...] = ("mlp", "embed")
+    use_bias: bool = False
+    bias_init: Callable = nn.initializers.zeros
+    bias_axes_1: tuple[str, ...] = ("act", "mlp")
+    bias_axes_2: tuple[str, ...] = ("embed",)
+    return_layernorm_output: bool = False
+    activations: Sequence[str | Callable] = ("gelu",)
+    activation_params: dict | None = None
+    intermediate_dropout_rng_name: str = "dropout"
+    intermediate_dropout_rate: float = 0.0
+    intermediate_hidden_dropout_dims: Sequence[int] = ()
+    axis: int = -1
+    dtype: Any = jnp.float32
+    layernorm_input_axes: tuple[str, ...] | None = None
+    dot_1_input_axes: tuple[str, ...] | None = None
+    dot_2_input_axes: tuple[str, ...] | None = None
+    ffn1_ckpt_name: str = "ffn1"
+    ffn2_ckpt_name: str = "ffn2"
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
+
+    def _param(self, name, init, shape, axes):
+        return partitioning.param_with_axes(name, init, shape, self.dtype, axes=tuple(axes), module=self)
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, deterministic: bool = False):
+        if self.axis not in (-1, inputs.ndim - 1):
+            raise ValueError(f"axis must be -1 (the last axis), got {self.axis}")
+        if any(callable(a) for a in self.activations):
+            raise NotImplementedError("callable activations: pass names (see flashmesh.nn.mlp.ACTIVATIONS)")
+        if self.quantization_checkpoint_name is not None:
+            raise NotImplementedError("quantization_checkpoint_name is not supported (see DenseGeneral)")
+        names = _activation_names(self.activations)
+        x = inputs
+        if self.enable_layernorm:
+            x = constrain(x, self.layernorm_input_axes)
+            scale, bias = layernorm_params(
+                self, x.shape[-1], layernorm_type=self.layernorm_type,
+                zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
+                scale_axes=self.scale_axes, bias_init=self.ln_bias_init,
+                bias_axes=self.ln_bias_axes, dtype=self.dtype)
+            x = layernorm(x, scale, bias, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                          zero_centered_gamma=self.zero_centered_gamma)
+        ln_out = x if self.return_layernorm_output else None
+        hidden, n, F = x.shape[-1], len(names), self.intermediate_dim
+
+        x = constrain(x, self.dot_1_input_axes)
+        wi = self._param("wi_kernel", self.kernel_init or default_kernel_init(1, 2), (hidden, n, F),
+                         self.kernel_axes_1)
+        recipe, state = qstate.gemm_state(self, "_0")
+        h = dense_general(x, wi, 1, recipe, state)                     # [..., n, F]
+        if self.use_bias:
+            h = h + self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1).astype(h.dtype)
+        h = checkpoint_name(h, self.ffn1_ckpt_name)
+        a = activation(h, names, act_params=self.activation_params)   # [..., F]
+        a = nn.Dropout(rate=self.intermediate_dropout_rate,
+                       broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                       rng_collection=self.intermediate_dropout_rng_name)(a, deterministic=deterministic)
+
+        a = constrain(a, self.dot_2_input_axes)
+        wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(1, 1), (F, hidden),
+                         self.kernel_axes_2)
+        recipe, state = qstate.gemm_state(self, "_1")
+        y = dense_general(a, wo, 1, recipe, state)
+        if self.use_bias:
+            y = y + self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2).astype(y.dtype)
+        y = checkpoint_name(y, self.ffn2_ckpt_name)
+        return y, ln_out

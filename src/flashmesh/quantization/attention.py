@@ -1,0 +1,404 @@
+"""FP8 attention: cuDNN's FP8 fused attention (through JAX's primitives) with delayed scaling.
+
+    out = fp8_attention(q, k, v, state, recipe, causal=True, scale=1 / sqrt(128))
+
+q [B, T, N, H], k and v [B, S, N, H] (bfloat16, float16 or float32) are quantised to e4m3
+with their stored scales, cuDNN runs attention in FP8 and the e4m3 output is dequantised to
+q's dtype. The backward quantises dO the same way, runs cuDNN's FP8 backward and returns
+dq, dk, dv in the inputs' dtype and, as TransformerEngine does, the *updated state* as the
+cotangent of `state` (`flashmesh.quantization.state.update_fp8_metas` writes it back).
+
+What cuDNN FP8 attention runs in jax 0.11.2 (jax/_src/cudnn/fused_attention_stablehlo.py):
+  * q, k, v, o, dO, dq, dk, dv all in ONE fp8 dtype. JAX's forward and backward primitives
+    give o and dq/dk/dv q's dtype (fp8 abstract evals, l. 1360-1397), and XLA's cuDNN graphs
+    require it (stream_executor/cuda/cuda_dnn.cc: GetCudnnFlashAttentionF8OperationGraph wants
+    q == k == v == o, the backward q == k and v == dO == dq == dk == dv, and declares every
+    tensor in q's type). So Format.HYBRID (e5m2 dO) cannot be expressed: only Format.E4M3.
+  * masks NO_MASK or CAUSAL only (l. 1958-1959), top-left (cuDNN: row >= column); bias,
+    mask, q_seqlen, kv_seqlen must be None (l. 1960-1964); dropout_rate, sliding_window_length
+    and q/kv_offsets are accepted by `dot_product_attention` but never reach the FP8 kernel
+    (l. 1968-1971), so flashmesh refuses them rather than ignore them.
+  * training: head dim exactly 128 and T, S multiples of 128; inference: head dim <= 256 and
+    a multiple of 16 (check_is_flash_attention, l. 369-375). Dv = Dqk (the backward sizes dv
+    from q's head dim, l. 1482-1484). K = N only: jax's FP8 tests never run GQA.
+  * layouts BTNH / BNTH (flashmesh uses BTNH); scales are float32 [1, 1, 1, 1]; vmap over a
+    scale is refused (l. 1544-1552); the amax outputs are float32 [1, 1, 1, 1] over the whole
+    batch (l. 1563-1565).
+  * hardware (jax's DotProductAttentionF8Test skips and cudnn-frontend's SDPA FP8 checks):
+    compute capability >= 9.0, not 12.x; cuDNN >= 9.1.0 and not 9.10.0; 10.3 needs 9.11;
+    the Blackwell backward needs 9.19. jax also skips these tests on CUDA 13 ("cuDNN creates
+    no execution plans"), a note from 2025 that our H200 runs (CUDA 13) must confirm.
+
+Kernel semantics (cudnn-frontend node/sdpa_fp8.h, sdpa_fp8_bwd.h), TE's scale convention
+(x8 = clip(x * scale), descale = 1 / scale):
+  s  = P = softmax(scale * q k^T): quantised with scale_s before P v; amax_s = max P.
+  o  = P v: amax_o = max |o| before scale_o, returned in e4m3 as o * scale_o.
+  dp = dS = P * (dO v^T - rowsum(dO * o)) * scale, the logits' gradient: amax_dP before
+       scale_dP, quantised for dS k and dS^T q.
+  dq, dk, dv: amaxes before scale_dQ/dK/dV, returned in e4m3 as dq * scale_dQ, ...
+
+State: {name: (scale [1], amax_history [L])} for the ten tensors of `TENSORS`, float32 or
+viewed in the combining dtypes of `flashmesh.quantization.combine`; a module keeps them in
+the `fp8_metas` collection as `{name}_scale` and `{name}_amax_history` (`declare_state`).
+q, k, v and dO amaxes come from the tensors, s, o, dp, dq, dk, dv from cuDNN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashmesh.attention import api, cudnn
+from flashmesh.attention.spec import AttentionSpec
+from flashmesh.attention.varying import varying_axes
+from flashmesh.quantization import combine, scaling
+from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+__all__ = ["TENSORS", "init_state", "declare_state", "fp8_attention", "fp8_attention_support",
+           "spec_reason", "device_reason", "recipe_reason", "Fp8Kernels", "CUDNN_KERNELS"]
+
+# q, k, v, softmax output, output | output grad, logits grad, input grads (jax's key suffixes).
+TENSORS = ("q", "k", "v", "s", "o", "do", "dp", "dq", "dk", "dv")
+TRAIN_HEAD_DIM = 128
+SEQ_MULTIPLE = 128
+CUDNN_FP8 = 90100           # SDPA FP8 forward and backward
+CUDNN_FP8_BROKEN = 91000    # 9.10.0: known FP8 backward bug (cudnn-frontend refuses it)
+CUDNN_SM103 = 91100
+CUDNN_BLACKWELL_BWD = 91900  # the FP8 backward on sm10x routes to a deterministic kernel
+
+
+# --------------------------------------------------------------------------------------------
+# State
+# --------------------------------------------------------------------------------------------
+def init_state(amax_history_len: int) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """{name: (scale ones [1], amax_history zeros [L])} for every name in TENSORS."""
+    if not isinstance(amax_history_len, int) or isinstance(amax_history_len, bool) or amax_history_len < 1:
+        raise ValueError(f"amax_history_len must be an int >= 1, got {amax_history_len!r}")
+    return {t: (jnp.ones((1,), jnp.float32), jnp.zeros((amax_history_len,), jnp.float32))
+            for t in TENSORS}
+
+
+def declare_state(module, recipe: DelayedScaling) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """The state of one attention from (in `init`, created in) `module`'s `fp8_metas`:
+    variables `{name}_scale` [1] (ones) and `{name}_amax_history` [L] (zeros), viewed in the
+    combining dtypes (scales min, histories max) as `state.gemm_state` does for GEMMs."""
+    from flashmesh.quantization.state import COLLECTION
+    length = recipe.amax_history_len
+    state = {}
+    for t in TENSORS:
+        scale = module.variable(COLLECTION, f"{t}_scale", jnp.ones, (1,), jnp.float32).value
+        history = module.variable(COLLECTION, f"{t}_amax_history", jnp.zeros, (length,),
+                                  jnp.float32).value
+        state[t] = (combine.to_combining(scale, combine.fmin32),
+                    combine.to_combining(history, combine.fmax32))
+    return state
+
+
+def _checked_state(state, length: int) -> dict:
+    if not isinstance(state, dict) or set(state) != set(TENSORS):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state must be a dict with keys {list(TENSORS)} (init_state), got {got}")
+    for t in TENSORS:
+        pair = state[t]
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise ValueError(f"state[{t!r}] must be a (scale, amax_history) pair, got {type(pair).__name__}")
+        if pair[0].shape != (1,) or pair[1].shape != (length,):
+            raise ValueError(f"state[{t!r}] shapes {pair[0].shape}, {pair[1].shape} must be (1,) and "
+                             f"(amax_history_len,) = ({length},)")
+    return {t: state[t] for t in TENSORS}
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels (a seam: CPU tests pass an emulation with the same contract)
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Fp8Kernels:
+    """forward(q8, k8, v8, meta, *, scale, causal, is_training) -> (o8, amax_s, amax_o, stats
+    float32 [B, N, T] or None when not training); backward(q8, k8, v8, o8, do8, stats, meta, *,
+    scale, causal) -> (dq8, dk8, dv8, amax_dq, amax_dk, amax_dv, amax_dp). `meta` maps jax's
+    fp8_params names (descale_q, scale_s, ...) to float32 [1, 1, 1, 1]; amaxes any size-1 shape."""
+
+    forward: Callable
+    backward: Callable
+
+
+def _cudnn_forward(q8, k8, v8, meta, *, scale, causal, is_training):
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    layout = fa.AttentionLayout.BTNH.value
+    fa.check_is_flash_attention_fp8(q8, k8, v8, layout, fa.check_cudnn_version(),
+                                    is_training=is_training)
+    out = fa._dot_product_attention_fp8_fwd_p_wrapper.bind(
+        q8, k8, v8, *(meta[n] for n in fa.fp8_params_keys_fwd), scale=scale,
+        use_causal_mask=causal, layout=layout, is_training=is_training)
+    return out[0], out[1], out[2], (out[3] if is_training else None)
+
+
+def _cudnn_backward(q8, k8, v8, o8, do8, stats, meta, *, scale, causal):
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    return tuple(fa._dot_product_attention_fp8_bwd_p_wrapper.bind(
+        q8, k8, v8, o8, do8, stats, *(meta[n] for n in fa.fp8_params_keys_bwd), scale=scale,
+        use_causal_mask=causal, layout=fa.AttentionLayout.BTNH.value))
+
+
+CUDNN_KERNELS = Fp8Kernels(_cudnn_forward, _cudnn_backward)
+
+
+# --------------------------------------------------------------------------------------------
+# What can run
+# --------------------------------------------------------------------------------------------
+def recipe_reason(recipe) -> str | None:
+    """Why FP8 attention cannot run under `recipe`, or None."""
+    if isinstance(recipe, Float8CurrentScaling):
+        return ("Float8CurrentScaling: cuDNN's FP8 attention needs the scales of s, o, dP, dq, dk, "
+                "dv before it computes those tensors, so only DelayedScaling's stored scales work")
+    if not isinstance(recipe, DelayedScaling):
+        return f"recipe {type(recipe).__name__}: FP8 attention runs under DelayedScaling only"
+    if recipe.fp8_format is not Format.E4M3:
+        return (f"fp8_format={recipe.fp8_format.name}: cuDNN's FP8 attention in XLA takes q, k, v, "
+                "o, dO, dq, dk, dv in one FP8 dtype (cuda_dnn.cc, the F8 backward graph), so "
+                "HYBRID's e5m2 dO cannot be passed; use Format.E4M3")
+    return None
+
+
+def spec_reason(spec: AttentionSpec, *, is_training: bool = True) -> str | None:
+    """Why cuDNN's FP8 attention cannot run this call whatever the GPU, or None."""
+    T, S, H = spec.q_len, spec.kv_len, spec.qk_dim
+    if spec.dtype not in ("bfloat16", "float16", "float32"):
+        return f"dtype {spec.dtype}: fp8_attention quantises bfloat16, float16 or float32 inputs"
+    if spec.has_bias:
+        return "bias: cuDNN's FP8 attention takes no bias (JAX requires bias=None with use_fp8)"
+    if spec.segments is not None:
+        return (f"segments ({spec.segments}): JAX's FP8 attention takes no sequence lengths and "
+                "drops segment offsets")
+    if spec.has_dropout:
+        return "dropout: JAX's FP8 attention never passes dropout_rate to cuDNN"
+    if spec.window not in ((-1, -1), (-1, 0)):
+        return f"window={spec.window}: JAX's FP8 attention never passes a sliding window to cuDNN"
+    if spec.softmax != "vanilla":
+        return f"softmax={spec.softmax!r}: cuDNN's FP8 attention has only the vanilla softmax"
+    if spec.logits_soft_cap is not None:
+        return "logits_soft_cap: cuDNN's FP8 attention has no logit soft cap"
+    if spec.causal and spec.bottom_right and T != S:
+        return f"bottom-right causal mask with T={T} != S={S}: cuDNN's FP8 causal mask is top-left"
+    if spec.num_kv_heads != spec.num_heads:
+        return (f"num_kv_heads={spec.num_kv_heads} != num_heads={spec.num_heads} (GQA/MQA): jax's "
+                "FP8 attention is tested with as many key/value heads as query heads only")
+    if spec.v_dim != H:
+        return f"Dv={spec.v_dim} != Dqk={H}: JAX's FP8 backward gives dv the query head dim"
+    if spec.return_lse:
+        return "return_lse: fp8_attention does not return the log-sum-exp"
+    if is_training:
+        if H != TRAIN_HEAD_DIM:
+            return f"head dim {H}: cuDNN's FP8 attention trains with head dim {TRAIN_HEAD_DIM} only"
+        if T % SEQ_MULTIPLE or S % SEQ_MULTIPLE:
+            return f"T={T}, S={S}: cuDNN's FP8 attention trains with T and S multiples of {SEQ_MULTIPLE}"
+    elif H > 256 or H % 16:
+        return f"head dim {H}: cuDNN's FP8 inference needs a multiple of 16 up to 256"
+    return None
+
+
+def device_reason(device: cudnn.Device, *, is_training: bool = True) -> str | None:
+    """Why this GPU's cuDNN cannot run FP8 attention, or None."""
+    cc, ver = device.compute_capability, device.cudnn_version
+    name = f"compute capability {cc[0]}.{cc[1]}"
+    version = cudnn._version
+    if cc < (9, 0):
+        return f"cuDNN's FP8 attention needs compute capability >= 9.0 (Hopper), this GPU has {name}"
+    if cc[0] == 12:
+        return f"{name}: cuDNN has no FP8 attention for it (jax's FP8 attention tests skip 12.0)"
+    if ver < CUDNN_FP8:
+        return f"cuDNN's FP8 attention needs cuDNN >= {version(CUDNN_FP8)}, found {version(ver)}"
+    if ver == CUDNN_FP8_BROKEN:
+        return "cuDNN 9.10.0 has a known FP8 attention backward bug; use 9.10.2 or newer"
+    if cc == (10, 3) and ver < CUDNN_SM103:
+        return f"{name} needs cuDNN >= {version(CUDNN_SM103)}, found {version(ver)}"
+    if cc[0] == 10 and is_training and ver < CUDNN_BLACKWELL_BWD:
+        return (f"the FP8 attention backward on {name} needs cuDNN >= "
+                f"{version(CUDNN_BLACKWELL_BWD)}, found {version(ver)}")
+    return None
+
+
+def _where_reason(reason: str | None, device, is_training: bool) -> str | None:
+    """`reason` combined with this machine's (or the given device's)."""
+    if device is None:
+        platform = jax.default_backend()
+        if platform != "gpu":
+            here = f"needs an NVIDIA GPU with CUDA (platform is {platform!r})"
+            return here if reason is None else f"{here}; and on one: {reason}"
+        device = cudnn.local_device()
+    if reason is not None:
+        return reason
+    return device if isinstance(device, str) else device_reason(device, is_training=is_training)
+
+
+def fp8_attention_support(q, k=None, v=None, *, recipe=None, is_training: bool = True,
+                          device: cudnn.Device | None = None, **options) -> str | None:
+    """None when `fp8_attention` can run this call, else a one-line reason.
+
+    Takes `flashmesh.attention`'s arguments (arrays or jax.ShapeDtypeStruct; mask, window,
+    segments, bias, softmax, logits_soft_cap, dropout_rate, layout, ...), the recipe (None:
+    not checked), whether the call is differentiated, and the device (None: this machine's).
+    fp8_attention itself takes the separate [B, T, N, H] arrays of `layouts.split`.
+
+    Example:
+      >>> fp8_attention_support(q, k, v, mask="causal", bias=b)
+      "bias: cuDNN's FP8 attention takes no bias (JAX requires bias=None with use_fp8)"
+    """
+    options.setdefault("return_lse", False)
+    specs = []
+
+    def trace(q, k, v):  # shapes suffice: nothing is computed
+        specs.append(api.normalize(q, k, v, **options)[1])
+        return 0
+
+    jax.eval_shape(trace, q, k, v)
+    reason = ((recipe_reason(recipe) if recipe is not None else None) or cudnn.jax_reason()
+              or spec_reason(specs[0], is_training=is_training))
+    return _where_reason(reason, device, is_training)
+
+
+# --------------------------------------------------------------------------------------------
+# fp8_attention
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    recipe: DelayedScaling
+    scale: float
+    causal: bool
+    kernels: Fp8Kernels
+
+
+def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, state: dict, recipe: DelayedScaling,
+                  *, causal: bool, scale: float, kernels: Fp8Kernels | None = None) -> jax.Array:
+    """Attention of q over k, v in FP8 (cuDNN), delayed-scaling state in and (as the
+    cotangent of `state`) out.
+
+    Shapes: q [B, T, N, H], k and v [B, S, N, H], one float dtype; output [B, T, N, H] in it.
+    B batch, T query length, S key length, N heads, H head dim (128 for training).
+
+    Args:
+      q, k, v: the attention inputs.
+      state: {name: (scale [1], amax_history [L])} for every name in TENSORS (init_state,
+        declare_state); its cotangent under jax.grad is the updated state.
+      recipe: a DelayedScaling with fp8_format=Format.E4M3 (margin, amax_history_len and
+        amax_compute_algo are used as for GEMMs).
+      causal: query i sees keys j <= i (top-left), else every key.
+      scale: the logit scale (e.g. 1 / sqrt(H)).
+      kernels: None for cuDNN (the call is checked first and refused with NotImplementedError
+        and the reason); tests pass an emulation.
+
+    Example:
+      >>> recipe = DelayedScaling(fp8_format=Format.E4M3, amax_history_len=16)
+      >>> state = init_state(16)
+      >>> loss = lambda q, k, v, s: jnp.sum(fp8_attention(q, k, v, s, recipe, causal=True,
+      ...                                                 scale=128 ** -0.5).astype(jnp.float32))
+      >>> dq, dk, dv, state = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, state)
+    """
+    reason = recipe_reason(recipe)
+    if reason is not None:
+        raise NotImplementedError(f"fp8_attention: {reason}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not abs(scale) < float("inf"):
+        raise ValueError(f"scale must be a finite real number, got {scale!r}")
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    if not (q.ndim == k.ndim == v.ndim == 4):
+        raise ValueError(f"q, k, v must be [B, T, N, H], [B, S, N, H], got {q.shape}, {k.shape}, {v.shape}")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, T, N, H = q.shape
+    if k.shape[0] != B or k.shape[3] != H or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k {k.shape} and v {v.shape} must be [B, S, K, H] for q {q.shape}")
+    if kernels is None:
+        spec = AttentionSpec(batch=B, q_len=T, kv_len=k.shape[1], num_heads=N,
+                             num_kv_heads=k.shape[2], qk_dim=H, v_dim=v.shape[3],
+                             dtype=q.dtype.name, scale=float(scale),
+                             window=(-1, 0) if causal else (-1, -1), return_lse=False)
+        reason = _where_reason(cudnn.jax_reason() or spec_reason(spec), None, True)
+        if reason is not None:
+            raise NotImplementedError(f"fp8_attention: {reason}")
+        kernels = CUDNN_KERNELS
+    state = _checked_state(state, recipe.amax_history_len)
+    return _fp8_attention(q, k, v, state, _Config(recipe, float(scale), causal, kernels))
+
+
+def _scales(state) -> dict:
+    return {t: combine.to_float32(state[t][0]).astype(jnp.float32) for t in TENSORS}
+
+
+def _meta(scales) -> dict:
+    """jax's fp8_params (descale = 1 / scale), float32 [1, 1, 1, 1]."""
+    f = lambda t: scales[t].reshape(1, 1, 1, 1)  # noqa: E731
+    inv = lambda t: (1.0 / scales[t]).reshape(1, 1, 1, 1)  # noqa: E731
+    return {"descale_q": inv("q"), "descale_k": inv("k"), "descale_v": inv("v"),
+            "descale_s": inv("s"), "scale_s": f("s"), "scale_o": f("o"), "descale_o": inv("o"),
+            "descale_dO": inv("do"), "descale_dP": inv("dp"), "scale_dP": f("dp"),
+            "scale_dQ": f("dq"), "scale_dK": f("dk"), "scale_dV": f("dv")}
+
+
+def _dequantize(x8, scale, dtype):
+    return (x8.astype(jnp.float32) * (1.0 / scale).reshape(())).astype(dtype)
+
+
+def _kernel_amax(a, like) -> jax.Array:
+    """A kernel's amax as float32 [1], reduced over the manual axes `like` varies along
+    (as scaling.amax does for tensors), so every shard updates to the same scale."""
+    a = jnp.asarray(a, jnp.float32).reshape(())
+    axes = varying_axes(like)
+    return (lax.pmax(a, axes) if axes else a).reshape(1)
+
+
+def _quantize_inputs(q, k, v, scales, dtype):
+    return tuple(scaling.quantize(x, scales[t], dtype) for x, t in ((q, "q"), (k, "k"), (v, "v")))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_attention(q, k, v, state, cfg: _Config):
+    scales = _scales(state)
+    q8, k8, v8 = _quantize_inputs(q, k, v, scales, cfg.recipe.fp8_format.forward_dtype)
+    o8, _, _, _ = cfg.kernels.forward(q8, k8, v8, _meta(scales), scale=cfg.scale,
+                                      causal=cfg.causal, is_training=False)
+    return _dequantize(o8, scales["o"], q.dtype)
+
+
+def _fp8_attention_fwd(q, k, v, state, cfg: _Config):
+    scales = _scales(state)
+    q8, k8, v8 = _quantize_inputs(q, k, v, scales, cfg.recipe.fp8_format.forward_dtype)
+    o8, amax_s, amax_o, stats = cfg.kernels.forward(q8, k8, v8, _meta(scales), scale=cfg.scale,
+                                                    causal=cfg.causal, is_training=True)
+    amaxes = {"q": scaling.amax(q), "k": scaling.amax(k), "v": scaling.amax(v),
+              "s": _kernel_amax(amax_s, q), "o": _kernel_amax(amax_o, q)}
+    # A zero-size array carries the inputs' dtype (the gradients are returned in it).
+    like = jnp.zeros((0,), q.dtype)
+    return _dequantize(o8, scales["o"], q.dtype), (q8, k8, v8, o8, stats, state, amaxes, like)
+
+
+def _fp8_attention_bwd(cfg: _Config, residuals, g):
+    q8, k8, v8, o8, stats, state, amaxes, like = residuals
+    scales = _scales(state)
+    fmt = cfg.recipe.fp8_format
+    do8 = scaling.quantize(g, scales["do"], fmt.backward_dtype)
+    dq8, dk8, dv8, a_dq, a_dk, a_dv, a_dp = cfg.kernels.backward(
+        q8, k8, v8, o8, do8, stats, _meta(scales), scale=cfg.scale, causal=cfg.causal)
+    amaxes = dict(amaxes, do=scaling.amax(g), dp=_kernel_amax(a_dp, g), dq=_kernel_amax(a_dq, g),
+                  dk=_kernel_amax(a_dk, g), dv=_kernel_amax(a_dv, g))
+    grads = tuple(_dequantize(x8, scales[t], like.dtype)
+                  for x8, t in ((dq8, "dq"), (dk8, "dk"), (dv8, "dv")))
+    new_state = {}
+    for t in TENSORS:
+        scale, history = state[t]
+        fp8_max = fmt.max_fwd if t in ("q", "k", "v", "s", "o") else fmt.max_bwd
+        new_scale, new_history = scaling.update(combine.to_float32(scale), combine.to_float32(history),
+                                                amaxes[t], fp8_max, cfg.recipe)
+        new_state[t] = (lax.convert_element_type(new_scale, scale.dtype),
+                        lax.convert_element_type(new_history, history.dtype))
+    return (*grads, new_state)
+
+
+_fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)

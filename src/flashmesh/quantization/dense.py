@@ -1,0 +1,95 @@
+"""`dense(x, kernel, state, recipe)`: y = x @ kernel with FP8 GEMMs forward and backward.
+
+x [M, K] and kernel [K, N] (a module flattens its contracted and kept axes to these). Three
+GEMMs, each in the only form XLA lowers to a fast cuBLASLt FP8 call on Hopper
+(`__cublas$lt$matmul$f8`; research/fp8_layer.md §3.2): both operands contiguous along the
+contracted axis ("TN"), a bf16 (the inputs' dtype) output, DEFAULT precision (fast
+accumulation, as TransformerEngine's JAX GEMMs):
+
+    forward  y  = (xq [M,K]) . (kqT [N,K])      xq, kq in the forward format (e4m3)
+    dgrad    dx = (gq [M,N]) . (kq  [K,N])      gq in the backward format (e5m2 for HYBRID)
+    wgrad    dw = (xqT [K,M]) . (gqT [N,M])
+
+The quantised x is saved transposed (xqT, one byte per element) and the kernel in both
+layouts, so nothing is re-quantised in the backward. Each result is multiplied by the two
+operands' inverse scales in the output dtype, which cuBLASLt takes as its alpha.
+
+State (DelayedScaling): {"x": (scale, history), "kernel": ..., "grad": ...}; the updated state
+is returned as the cotangent of `state` (TE's convention, see `flashmesh.quantization.state`).
+Float8CurrentScaling takes state=None and scales each tensor by its own amax.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashmesh.quantization import combine, scaling
+from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
+
+__all__ = ["dense", "TN"]
+
+TN = (((1,), (1,)), ((), ()))  # contract axis 1 of both operands: A [M, K], B [N, K]
+
+
+def _mm(a, b, inv_scale, out_dtype):
+    """a . b^T (both contiguous along K) with a bf16/f16/f32 output, rescaled."""
+    y = lax.dot_general(a, b, TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+    return y * inv_scale.astype(out_dtype).reshape(())
+
+
+def _scales(state, name, amax_now, fp8_max, recipe):
+    if isinstance(recipe, DelayedScaling):
+        return combine.to_float32(state[name][0])
+    return scaling.current_scale(amax_now, fp8_max, recipe)
+
+
+def _new_state(state, amaxes, maxes, recipe):
+    """The updated state in the state's own (combining) dtypes: its cotangent."""
+    if not isinstance(recipe, DelayedScaling):
+        return None
+    out = {}
+    for name, (scale, history) in state.items():
+        new_scale, new_history = scaling.update(combine.to_float32(scale),
+                                                combine.to_float32(history),
+                                                amaxes[name], maxes[name], recipe)
+        out[name] = (lax.convert_element_type(new_scale, scale.dtype),
+                     lax.convert_element_type(new_history, history.dtype))
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dense(x: jax.Array, kernel: jax.Array, state, recipe: DelayedScaling | Float8CurrentScaling):
+    """x [M, K] @ kernel [K, N] -> [M, N] in x's dtype, FP8 GEMMs (see the module docstring)."""
+    return _forward(x, kernel, state, recipe)[0]
+
+
+def _forward(x, kernel, state, recipe):
+    fmt = recipe.fp8_format
+    ax, ak = scaling.amax(x), scaling.amax(kernel)
+    sx = _scales(state, "x", ax, fmt.max_fwd, recipe)
+    sk = _scales(state, "kernel", ak, fmt.max_fwd, recipe)
+    xq = scaling.quantize(x, sx, fmt.forward_dtype)
+    kq = scaling.quantize(kernel, sk, fmt.forward_dtype)
+    y = _mm(xq, kq.T, 1.0 / (sx * sk), x.dtype)
+    # A zero-size array carries the kernel's dtype (dw is returned in it).
+    return y, (xq.T, kq, sx, sk, ax, ak, state, jnp.zeros((0,), kernel.dtype))
+
+
+def _backward(recipe, residuals, g):
+    xqT, kq, sx, sk, ax, ak, state, k_like = residuals
+    fmt = recipe.fp8_format
+    ag = scaling.amax(g)
+    sg = _scales(state, "grad", ag, fmt.max_bwd, recipe)
+    gq = scaling.quantize(g, sg, fmt.backward_dtype)
+    dx = _mm(gq, kq, 1.0 / (sg * sk), g.dtype)  # g has y's dtype, which is x's
+    dw = _mm(xqT, gq.T, 1.0 / (sx * sg), g.dtype).astype(k_like.dtype)
+    maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
+    new = _new_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)
+    return dx, dw, new
+
+
+dense.defvjp(_forward, _backward)

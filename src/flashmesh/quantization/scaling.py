@@ -1,0 +1,68 @@
+"""Per-tensor FP8 scaling as pure functions: amax, quantise, and the delayed-scaling update.
+
+Conventions are TransformerEngine's: `scale` multiplies a tensor into FP8 range
+(q = clip(x * scale, ±fp8_max)), and `1 / scale` multiplies the GEMM's result back.
+
+The delayed-scaling update of one tensor's (scale, amax_history) given its amax this step,
+in TE's order (`transformer_engine/jax/quantize`):
+
+    history[0] = amax
+    amax_ref   = max(history)            ("max")   or history[0] ("most_recent")
+    scale      = fp8_max / amax_ref / 2**margin,  the old scale if amax_ref is 0 or not finite
+    history    = roll(history, -1); history[0] = 0
+
+The tensor was quantised with the *stored* scale before the update, so a step always uses the
+scale computed from the history up to the previous step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashmesh.attention.varying import varying_axes
+from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
+
+__all__ = ["amax", "quantize", "update", "current_scale"]
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """max |x| as float32 [1], reduced over every device the tensor is split across.
+
+    Under jit on sharded arrays the reduction is global by construction; inside `shard_map`
+    it is also taken over the manual mesh axes along which `x` differs between devices, so
+    every device quantises with the same scale (TE's reduce_amax over data/tensor axes)."""
+    local = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    axes = varying_axes(x)
+    if axes:
+        local = lax.pmax(local, axes)
+    return local.reshape(1)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x * scale clipped to the FP8 dtype's range, in that dtype (computed in float32)."""
+    top = float(jnp.finfo(dtype).max)
+    scaled = x.astype(jnp.float32) * scale.astype(jnp.float32).reshape(())
+    return jnp.clip(scaled, -top, top).astype(dtype)
+
+
+def current_scale(amax_now: jax.Array, fp8_max: float, recipe: Float8CurrentScaling) -> jax.Array:
+    """fp8_max / amax of the tensor itself; 1 where amax is 0 or not finite."""
+    ok = (amax_now > 0) & jnp.isfinite(amax_now)
+    scale = jnp.where(ok, fp8_max / jnp.where(ok, amax_now, 1.0), 1.0)
+    if recipe.use_power_2_scales:
+        scale = jnp.exp2(jnp.floor(jnp.log2(scale)))
+    return scale.astype(jnp.float32)
+
+
+def update(scale: jax.Array, history: jax.Array, amax_now: jax.Array, fp8_max: float,
+           recipe: DelayedScaling) -> tuple[jax.Array, jax.Array]:
+    """The delayed-scaling update of one tensor: (scale [1], history [L]) -> the next ones."""
+    history = history.astype(jnp.float32).at[0].set(amax_now.astype(jnp.float32).reshape(()))
+    ref = jnp.max(history) if recipe.amax_compute_algo == "max" else history[0]
+    ok = (ref > 0) & jnp.isfinite(ref)
+    fresh = fp8_max / jnp.where(ok, ref, 1.0) / (2.0 ** recipe.margin)
+    new_scale = jnp.where(ok, fresh, scale.astype(jnp.float32).reshape(())).reshape(1)
+    new_history = jnp.roll(history, -1).at[0].set(0.0)
+    return new_scale, new_history

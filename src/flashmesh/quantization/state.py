@@ -1,0 +1,143 @@
+"""The FP8 state as Flax variables: TransformerEngine's `fp8_metas` collection and its update.
+
+Every FP8 GEMM of a module owns six float32 variables in the collection `fp8_metas`, named as
+TransformerEngine names them (`generate_quantizer_set(postfix)`):
+
+    x{p}_scale [1]       kernel{p}_scale [1]       grad{p}_scale [1]        (ones)
+    x{p}_amax_history [L] kernel{p}_amax_history [L] grad{p}_amax_history [L] (zeros)
+
+with p = "" for DenseGeneral and LayerNormDenseGeneral and "_0", "_1" for LayerNormMLP's two
+GEMMs, L the recipe's amax_history_len. They exist only for DelayedScaling and are created by
+`init` inside `autocast(enabled=True)`. A training step differentiates with respect to all
+variables; the cotangent of `fp8_metas` *is* the updated state, and the step writes it over
+the old one (`update_fp8_metas`), exactly as TransformerEngine's loops do:
+
+    loss, grads = jax.value_and_grad(loss_fn)(variables, batch)   # inside autocast
+    variables = update_fp8_metas(variables, grads)
+    params = optimizer_update(variables["params"], grads["params"])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from flashmesh.quantization import combine
+from flashmesh.quantization.autocast import active_recipe
+from flashmesh.quantization.recipe import DelayedScaling
+
+__all__ = ["COLLECTION", "QUANTIZERS", "gemm_state", "update_fp8_metas", "combine_by_max",
+           "accumulate_gradients"]
+
+COLLECTION = "fp8_metas"
+QUANTIZERS = ("x", "kernel", "grad")
+
+
+def gemm_state(module, postfix: str = ""):
+    """(recipe, state) for one GEMM of `module` under the current autocast.
+
+    Returns (None, None) outside FP8 autocast, (recipe, None) for current scaling, and for
+    DelayedScaling (recipe, {"x": (scale, history), "kernel": ..., "grad": ...}) read from
+    (or, in `init`, created in) `fp8_metas`, viewed in the combining dtypes so that several
+    uses of the state combine by max / min (flashmesh.quantization.combine)."""
+    recipe = active_recipe()
+    if recipe is None or not isinstance(recipe, DelayedScaling):
+        return recipe, None
+    first = f"{QUANTIZERS[0]}{postfix}_scale"
+    if not module.is_initializing() and not module.has_variable(COLLECTION, first):
+        raise ValueError(
+            f"module {module.name or type(module).__name__!r} runs under FP8 autocast with "
+            f"DelayedScaling but its variables have no '{COLLECTION}' state ({first}): create them "
+            f"with init inside flashmesh.te.autocast(enabled=True, recipe=...) and pass them to apply")
+    length = recipe.amax_history_len
+    state = {}
+    for q in QUANTIZERS:
+        scale = module.variable(COLLECTION, f"{q}{postfix}_scale", jnp.ones, (1,), jnp.float32).value
+        history = module.variable(COLLECTION, f"{q}{postfix}_amax_history", jnp.zeros, (length,),
+                                  jnp.float32).value
+        if history.shape != (length,):
+            raise ValueError(f"{q}{postfix}_amax_history has shape {history.shape}, but the recipe's "
+                             f"amax_history_len={length}: initialise under the same recipe")
+        state[q] = (combine.to_combining(scale, combine.fmin32),
+                    combine.to_combining(history, combine.fmax32))
+    return recipe, state
+
+
+def _flat(tree) -> dict:
+    return traverse_util.flatten_dict(dict(tree)) if tree else {}
+
+
+def update_fp8_metas(variables: dict, grads: dict) -> dict:
+    """`variables` with its `fp8_metas` replaced by the state's cotangent in `grads`.
+
+    A quantiser whose state was not used by the differentiated step (its scale's cotangent is
+    0 or not finite) keeps its old scale and history, so a module that did not run (or ran
+    outside autocast) never has its state wiped. Other collections are returned unchanged."""
+    if COLLECTION not in variables:
+        return variables
+    if COLLECTION not in grads:
+        raise ValueError(f"grads has no '{COLLECTION}': differentiate with respect to all the "
+                         f"variables (not only 'params') to get the FP8 state's update")
+    old, new = _flat(variables[COLLECTION]), _flat(grads[COLLECTION])
+    if old.keys() != new.keys():
+        raise ValueError(f"grads['{COLLECTION}'] does not match variables['{COLLECTION}']: "
+                         f"{sorted(set(old) ^ set(new))[:4]} differ")
+    out = {}
+    for path, value in old.items():
+        leaf = path[-1]
+        prefix = leaf.removesuffix("_scale").removesuffix("_amax_history")
+        scale_path = path[:-1] + (f"{prefix}_scale",)
+        candidate = combine.to_float32(new[scale_path]) if scale_path in new else None
+        if candidate is None:
+            out[path] = combine.to_float32(new[path])
+            continue
+        used = jnp.all(jnp.isfinite(candidate) & (candidate > 0))
+        out[path] = jnp.where(used, combine.to_float32(new[path]).astype(value.dtype), value)
+    result = dict(variables)
+    result[COLLECTION] = traverse_util.unflatten_dict(out)
+    return result
+
+
+def combine_by_max(variables: dict) -> dict:
+    """`variables` with `fp8_metas` viewed in the combining dtypes (histories max, scales min).
+
+    Call it at the top of a differentiated loss (`loss(combine_by_max(variables), ...)`) when
+    one module's state is used several times in it (gradient accumulation inside the step,
+    a module reused in a loop): the uses then combine as one pass over all of them would, not
+    as a sum. The gradient comes back in float32 for `update_fp8_metas`."""
+    if COLLECTION not in variables:
+        return variables
+    flat = _flat(variables[COLLECTION])
+    viewed = {p: combine.to_combining(v, combine.fmin32 if p[-1].endswith("_scale") else combine.fmax32)
+              for p, v in flat.items()}
+    result = dict(variables)
+    result[COLLECTION] = traverse_util.unflatten_dict(viewed)
+    return result
+
+
+def _combine(path, a, b):
+    """Histories by max; scales by min over the valid ones (> 0 and finite: a state a
+    microbatch did not use has cotangent 0 and must not win the min)."""
+    if not path[-1].endswith("_scale"):
+        return jnp.maximum(a, b)
+    valid = lambda s: jnp.where((s > 0) & jnp.isfinite(s), s, jnp.inf)
+    return jnp.minimum(valid(a), valid(b))
+
+
+def accumulate_gradients(total: Any, new: Any) -> Any:
+    """Sum of two steps' gradients (microbatches), with the FP8 state combined, not summed:
+    amax histories by elementwise max, scales by min (the state one pass over both
+    microbatches gives). `total` may be None for the first microbatch."""
+    if total is None:
+        return new
+    out = {}
+    for name in new:
+        if name == COLLECTION:
+            a, b = _flat(total[name]), _flat(new[name])
+            out[name] = traverse_util.unflatten_dict({p: _combine(p, a[p], b[p]) for p in b})
+        else:
+            out[name] = jax.tree.map(jnp.add, total[name], new[name])
+    return out
