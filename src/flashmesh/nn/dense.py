@@ -19,7 +19,7 @@ from flax.linen import partitioning
 from jax import lax
 from jaxtyping import Array, Float
 
-from flashmesh.nn.layernorm import layernorm, layernorm_params
+from flashmesh.nn.layernorm import expand, layernorm, layernorm_params
 from flashmesh.quantization import state as qstate
 from flashmesh.quantization.dense import dense as fp8_dense
 
@@ -93,7 +93,7 @@ class _Projection(nn.Module):
         if self.use_bias:
             bias = partitioning.param_with_axes("bias", self.bias_init, features, self.dtype,
                                                 axes=tuple(self.bias_axes), module=self)
-            y = y + bias.astype(y.dtype)
+            y = y + expand(bias.astype(y.dtype), y.ndim)
         return y
 
     def _lora(self, x, in_shape, features) -> jax.Array:

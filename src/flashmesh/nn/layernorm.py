@@ -18,7 +18,7 @@ from flax import linen as nn
 from flax.linen import partitioning
 from jaxtyping import Array, Float
 
-__all__ = ["layernorm", "LayerNorm", "LAYERNORM_TYPES", "layernorm_params"]
+__all__ = ["layernorm", "LayerNorm", "LAYERNORM_TYPES", "layernorm_params", "expand"]
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -55,10 +55,15 @@ def layernorm(x: Float[Array, "... H"], scale: Float[Array, "H"], bias: Float[Ar
     gamma = scale.astype(jnp.float32)
     if zero_centered_gamma:
         gamma = gamma + 1.0
-    y = y * gamma
+    y = y * expand(gamma, y.ndim)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + expand(bias.astype(jnp.float32), y.ndim)
     return y.astype(x.dtype)
+
+
+def expand(v: jax.Array, ndim: int) -> jax.Array:
+    """v with leading unit axes up to `ndim` (explicit, so rank promotion may be an error)."""
+    return v.reshape((1,) * (ndim - v.ndim) + v.shape)
 
 
 def layernorm_params(module: nn.Module, features: int, *, layernorm_type: str,

@@ -19,7 +19,7 @@ from flax.linen import partitioning
 from jax.ad_checkpoint import checkpoint_name
 
 from flashmesh.nn.dense import constrain, default_kernel_init, dense_general
-from flashmesh.nn.layernorm import layernorm, layernorm_params
+from flashmesh.nn.layernorm import expand, layernorm, layernorm_params
 from flashmesh.quantization import state as qstate
 
 __all__ = ["ACTIVATIONS", "activation", "LayerNormMLP"]
@@ -161,7 +161,7 @@ class LayerNormMLP(nn.Module):
         recipe, state = qstate.gemm_state(self, "_0")
         h = dense_general(x, wi, 1, recipe, state)                     # [..., n, F]
         if self.use_bias:
-            h = h + self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1).astype(h.dtype)
+            h = h + expand(self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1).astype(h.dtype), h.ndim)
         h = checkpoint_name(h, self.ffn1_ckpt_name)
         a = activation(h, names, act_params=self.activation_params)   # [..., F]
         a = nn.Dropout(rate=self.intermediate_dropout_rate,
@@ -174,6 +174,6 @@ class LayerNormMLP(nn.Module):
         recipe, state = qstate.gemm_state(self, "_1")
         y = dense_general(a, wo, 1, recipe, state)
         if self.use_bias:
-            y = y + self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2).astype(y.dtype)
+            y = y + expand(self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2).astype(y.dtype), y.ndim)
         y = checkpoint_name(y, self.ffn2_ckpt_name)
         return y, ln_out

@@ -78,10 +78,10 @@ CUDNN_BLACKWELL_BWD = 91900  # the FP8 backward on sm10x routes to a determinist
 # --------------------------------------------------------------------------------------------
 def init_state(amax_history_len: int) -> dict[str, tuple[jax.Array, jax.Array]]:
     """{name: (scale ones [1], amax_history zeros [L])} for every name in TENSORS."""
-    if not isinstance(amax_history_len, int) or isinstance(amax_history_len, bool) or amax_history_len < 1:
+    n = amax_history_len
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"amax_history_len must be an int >= 1, got {amax_history_len!r}")
-    return {t: (jnp.ones((1,), jnp.float32), jnp.zeros((amax_history_len,), jnp.float32))
-            for t in TENSORS}
+    return {t: (jnp.ones((1,), jnp.float32), jnp.zeros((n,), jnp.float32)) for t in TENSORS}
 
 
 def declare_state(module, recipe: DelayedScaling) -> dict[str, tuple[jax.Array, jax.Array]]:
@@ -107,7 +107,8 @@ def _checked_state(state, length: int) -> dict:
     for t in TENSORS:
         pair = state[t]
         if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise ValueError(f"state[{t!r}] must be a (scale, amax_history) pair, got {type(pair).__name__}")
+            raise ValueError(f"state[{t!r}] must be a (scale, amax_history) pair, got "
+                             f"{type(pair).__name__}")
         if pair[0].shape != (1,) or pair[1].shape != (length,):
             raise ValueError(f"state[{t!r}] shapes {pair[0].shape}, {pair[1].shape} must be (1,) and "
                              f"(amax_history_len,) = ({length},)")
@@ -197,7 +198,8 @@ def spec_reason(spec: AttentionSpec, *, is_training: bool = True) -> str | None:
         if H != TRAIN_HEAD_DIM:
             return f"head dim {H}: cuDNN's FP8 attention trains with head dim {TRAIN_HEAD_DIM} only"
         if T % SEQ_MULTIPLE or S % SEQ_MULTIPLE:
-            return f"T={T}, S={S}: cuDNN's FP8 attention trains with T and S multiples of {SEQ_MULTIPLE}"
+            return (f"T={T}, S={S}: cuDNN's FP8 attention trains with T and S multiples of "
+                    f"{SEQ_MULTIPLE}")
     elif H > 256 or H % 16:
         return f"head dim {H}: cuDNN's FP8 inference needs a multiple of 16 up to 256"
     return None
@@ -309,7 +311,8 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, state: dict, recipe:
         raise ValueError(f"scale must be a finite real number, got {scale!r}")
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     if not (q.ndim == k.ndim == v.ndim == 4):
-        raise ValueError(f"q, k, v must be [B, T, N, H], [B, S, N, H], got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(f"q, k, v must be [B, T, N, H], [B, S, N, H], got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     B, T, N, H = q.shape

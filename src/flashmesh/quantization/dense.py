@@ -35,10 +35,27 @@ __all__ = ["dense", "TN"]
 TN = (((1,), (1,)), ((), ()))  # contract axis 1 of both operands: A [M, K], B [N, K]
 
 
-def _mm(a, b, inv_scale, out_dtype):
+def _mm(a, b, inv_scale, out_dtype, out_sharding=None):
     """a . b^T (both contiguous along K) with a bf16/f16/f32 output, rescaled."""
-    y = lax.dot_general(a, b, TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+    y = lax.dot_general(a, b, TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype,
+                        out_sharding=out_sharding)
     return y * inv_scale.astype(out_dtype).reshape(())
+
+
+def _explicit(x) -> bool:
+    types = getattr(getattr(jax.typeof(x).sharding, "mesh", None), "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _wgrad_sharding(kernel_like, x_like):
+    """The weight gradient's sharding where the mesh shards in types (Explicit axes): it
+    contracts the (data-parallel) token axis, and JAX does not guess the result's sharding.
+    The kernel's own sharding, or replicated over the activations' mesh; None otherwise."""
+    if _explicit(kernel_like):
+        return jax.typeof(kernel_like).sharding
+    if _explicit(x_like):
+        return jax.sharding.NamedSharding(jax.typeof(x_like).sharding.mesh, jax.P())
+    return None
 
 
 def _scales(state, name, amax_now, fp8_max, recipe):
@@ -86,7 +103,7 @@ def _backward(recipe, residuals, g):
     sg = _scales(state, "grad", ag, fmt.max_bwd, recipe)
     gq = scaling.quantize(g, sg, fmt.backward_dtype)
     dx = _mm(gq, kq, 1.0 / (sg * sk), g.dtype)  # g has y's dtype, which is x's
-    dw = _mm(xqT, gq.T, 1.0 / (sx * sg), g.dtype).astype(k_like.dtype)
+    dw = _mm(xqT, gq.T, 1.0 / (sx * sg), g.dtype, _wgrad_sharding(kq, xqT)).astype(k_like.dtype)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
     new = _new_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)
     return dx, dw, new

@@ -1,0 +1,180 @@
+"""LayerNorm, DenseGeneral, LayerNormDenseGeneral, LayerNormMLP and activation against plain
+Flax / plain JAX compositions given the same parameters (float32, tight)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from flashmesh.nn import (DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, activation,
+                          layernorm)
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _x(shape=(2, 8, 32), seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _add(y, bias):
+    return y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
+
+
+def _randomise(params, seed=7):
+    """Random values for every parameter (initial ones, ones and zeros, would hide bugs)."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [jax.random.normal(k, p.shape, p.dtype) * 0.5 + (1.0 if p.ndim == 1 else 0.0)
+                                     for k, p in zip(keys, leaves)])
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_layernorm_equals_flax(kind, zero_centered):
+    x = _x()
+    module = LayerNorm(epsilon=1e-5, layernorm_type=kind, zero_centered_gamma=zero_centered)
+    params = _randomise(module.init(jax.random.key(0), x)["params"])
+    ours = module.apply({"params": params}, x)
+    gamma = params["scale"] + (1.0 if zero_centered else 0.0)
+    if kind == "layernorm":
+        flax_ln = nn.LayerNorm(epsilon=1e-5)
+        expected = flax_ln.apply({"params": {"scale": gamma, "bias": params["ln_bias"]}}, x)
+    else:
+        assert "ln_bias" not in params  # RMSNorm has no bias, as in TE
+        expected = nn.RMSNorm(epsilon=1e-5).apply({"params": {"scale": gamma}}, x)
+    np.testing.assert_allclose(ours, expected, **TOL)
+
+
+def test_layernorm_keeps_input_dtype_and_zero_centred_init():
+    x = _x(dtype=jnp.bfloat16)
+    module = LayerNorm(zero_centered_gamma=True)
+    variables = module.init(jax.random.key(0), x)
+    assert float(jnp.abs(variables["params"]["scale"]).max()) == 0.0
+    assert variables["params"]["scale"].dtype == jnp.float32
+    assert module.apply(variables, x).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="layernorm_type"):
+        layernorm(x, jnp.ones(32), None, layernorm_type="batchnorm")
+
+
+@pytest.mark.parametrize("features,axis", [(24, -1), ((4, 6), -1), (16, (-2, -1))])
+def test_dense_general_equals_flax(features, axis):
+    x = _x((2, 8, 4, 8))
+    module = DenseGeneral(features=features, axis=axis)
+    params = _randomise(module.init(jax.random.key(0), x)["params"])
+    expected = nn.DenseGeneral(features=features, axis=axis).apply({"params": params}, x)
+    np.testing.assert_allclose(module.apply({"params": params}, x), expected, **TOL)
+
+
+def test_dense_general_non_trailing_axis_and_lora():
+    x = _x((2, 8, 6))
+    module = DenseGeneral(features=5, axis=1, use_bias=False)
+    params = _randomise(module.init(jax.random.key(0), x)["params"])
+    expected = jnp.einsum("btd,tf->bdf", x, params["kernel"])
+    np.testing.assert_allclose(module.apply({"params": params}, x), expected, **TOL)
+
+    lora = DenseGeneral(features=5, enable_low_rank_adaptation=True, low_rank_adaptation_dim=3,
+                        low_rank_adaptation_alpha=6.0)
+    params = _randomise(lora.init(jax.random.key(1), x)["params"])
+    expected = (_add(x @ params["kernel"], params["bias"])
+                + 2.0 * (x @ params["lora_a_kernel"] @ params["lora_b_kernel"]))
+    np.testing.assert_allclose(lora.apply({"params": params}, x), expected, **TOL)
+
+
+def test_bf16_input_computes_in_bf16_from_f32_params():
+    x = _x(dtype=jnp.bfloat16)
+    module = DenseGeneral(features=16)
+    variables = module.init(jax.random.key(0), x)
+    assert variables["params"]["kernel"].dtype == jnp.float32
+    y = module.apply(variables, x)
+    assert y.dtype == jnp.bfloat16
+    expected = x.astype(jnp.float32) @ variables["params"]["kernel"].astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_allclose(y.astype(jnp.float32), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("return_ln", [False, True])
+def test_layernorm_dense_general_equals_composition(return_ln):
+    x = _x()
+    module = LayerNormDenseGeneral(features=(3, 16), epsilon=1e-5, use_bias=True,
+                                   return_layernorm_output=return_ln, depth_scaling=2.0)
+    params = _randomise(module.init(jax.random.key(0), x)["params"])
+    y, ln_out = module.apply({"params": params}, x)
+    ln = nn.LayerNorm(epsilon=1e-5).apply(
+        {"params": {"scale": params["scale"], "bias": params["ln_bias"]}}, x)
+    expected = _add(jnp.einsum("btd,dhf->bthf", ln, params["kernel"]), params["bias"]) / 2.0
+    np.testing.assert_allclose(y, expected, **TOL)
+    if return_ln:
+        np.testing.assert_allclose(ln_out, ln, **TOL)
+    else:
+        assert ln_out is None
+
+
+@pytest.mark.parametrize("acts", [("gelu",), ("relu",), ("silu",), ("gelu", "linear"),
+                                  ("silu", "linear"), ("squared_relu", "linear")])
+def test_layernorm_mlp_equals_composition(acts):
+    x = _x()
+    module = LayerNormMLP(intermediate_dim=48, activations=acts, use_bias=True, epsilon=1e-5,
+                          layernorm_type="rmsnorm")
+    params = _randomise(module.init(jax.random.key(0), x, deterministic=True)["params"])
+    y, _ = module.apply({"params": params}, x, deterministic=True)
+    ln = nn.RMSNorm(epsilon=1e-5).apply({"params": {"scale": params["scale"]}}, x)
+    h = _add(jnp.einsum("btd,dnf->btnf", ln, params["wi_kernel"]), params["wi_bias"])
+    f = {"gelu": lambda v: nn.gelu(v, approximate=True), "relu": nn.relu, "silu": nn.silu,
+         "squared_relu": lambda v: nn.relu(v) ** 2, "linear": lambda v: v}
+    a = f[acts[0]](h[..., 0, :])
+    if len(acts) == 2:
+        a = a * f[acts[1]](h[..., 1, :])
+    expected = _add(a @ params["wo_kernel"], params["wo_bias"])
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5 * float(jnp.abs(expected).max()))
+
+
+def test_layernorm_mlp_intermediate_dropout():
+    x = _x()
+    module = LayerNormMLP(intermediate_dim=64, intermediate_dropout_rate=0.5)
+    variables = module.init(jax.random.key(0), x, deterministic=True)
+    y_det, _ = module.apply(variables, x, deterministic=True)
+    y_a, _ = module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    y_b, _ = module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+    assert not np.allclose(y_a, y_det) and not np.allclose(y_a, y_b)
+    with pytest.raises(Exception, match="dropout"):
+        module.apply(variables, x, deterministic=False)  # needs the rng stream
+
+
+def test_activation_function():
+    h = _x((2, 3, 2, 8))
+    np.testing.assert_allclose(activation(h[..., :1, :], ("gelu",)),
+                               nn.gelu(h[..., 0, :], approximate=True), **TOL)
+    np.testing.assert_allclose(activation(h, ("silu", "linear")), nn.silu(h[..., 0, :]) * h[..., 1, :], **TOL)
+    with pytest.raises(ValueError, match="x.shape\\[-2\\]"):
+        activation(h, ("gelu",))
+    with pytest.raises(ValueError, match="unknown"):
+        activation(h, ("tanhh", "linear"))
+
+
+@pytest.mark.parametrize("module,call", [
+    (LayerNorm(), {}), (DenseGeneral(features=8, kernel_axes=("embed", "mlp"), bias_axes=("mlp",)), {}),
+    (LayerNormDenseGeneral(features=8, kernel_axes=("embed", "mlp")), {}),
+    (LayerNormMLP(intermediate_dim=16), {"deterministic": True})])
+def test_every_parameter_has_logical_axes(module, call):
+    x = _x()
+    variables = module.init(jax.random.key(0), x, **call)
+    axes = variables["params_axes"]
+    for name, value in variables["params"].items():
+        names = axes[f"{name}_axes"].names
+        assert len(names) in (0, value.ndim), (name, names)
+    if isinstance(module, LayerNormMLP):
+        assert axes["wi_kernel_axes"].names == ("embed", "act", "mlp")
+        assert axes["wo_kernel_axes"].names == ("mlp", "embed")
+
+
+def test_logical_axes_shard_on_a_mesh():
+    """flax partitioning maps the axis names to a tensor-parallel mesh's spec."""
+    from flax.linen import partitioning
+    module = LayerNormMLP(intermediate_dim=16)
+    variables = module.init(jax.random.key(0), _x(), deterministic=True)
+    rules = (("embed", None), ("act", None), ("mlp", "tp"))
+    specs = partitioning.get_axis_names(variables["params_axes"])
+    mesh_axes = jax.tree.map(lambda names: nn.logical_to_mesh_axes(names, rules), specs,
+                             is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))
+    assert tuple(mesh_axes["wi_kernel"]) == (None, None, "tp")
+    assert tuple(mesh_axes["wo_kernel"]) == ("tp", None)

@@ -1,0 +1,232 @@
+"""FP8 GEMMs and the fp8_metas state through the modules: numerics against the unquantised
+layer, the state update as the state's cotangent, max combination under reuse, scan and
+gradient accumulation, sharding, checkpoints, and the errors a user meets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashmesh.te as te
+from flashmesh.nn import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP
+from flashmesh.quantization import (accumulate_gradients, combine_by_max, dense, update_fp8_metas)
+from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+R = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+
+
+def _x(shape=(4, 16, 64), seed=0):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _rel(a, b):
+    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+def _train_steps(module, variables, x, dy, steps, recipe=R, call=None):
+    """`steps` FP8 steps with the state threaded; returns (variables, last output, last grads)."""
+    call = call or {}
+
+    def loss(v, x):
+        y = module.apply(v, x, **call)
+        y = y[0] if isinstance(y, tuple) else y
+        return jnp.sum(y * dy), y
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    for _ in range(steps):
+        with te.autocast(enabled=True, recipe=recipe):
+            (_, y), grads = step(variables, x)
+        variables = update_fp8_metas(variables, grads[0])
+    return variables, y, grads
+
+
+def test_fp8_dense_within_fp8_tolerance_of_float32_after_the_scales_settle():
+    x, module = _x(), DenseGeneral(features=48)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(1), x)
+    dy = _x((4, 16, 48), seed=2)
+    variables, y, (g_vars, g_x) = _train_steps(module, variables, x, dy, steps=3)
+
+    ref_loss = lambda p, x: jnp.vdot(module.apply({"params": p}, x), dy)
+    y_ref = module.apply({"params": variables["params"]}, x)
+    gp_ref, gx_ref = jax.grad(ref_loss, argnums=(0, 1))(variables["params"], x)
+    # e4m3 has 3 mantissa bits (relative rounding 2^-4), e5m2 2 bits (2^-3): errors of a few %.
+    assert _rel(y, y_ref) < 0.04
+    assert _rel(g_x, gx_ref) < 0.08
+    assert _rel(g_vars["params"]["kernel"], gp_ref["kernel"]) < 0.08
+    np.testing.assert_allclose(g_vars["params"]["bias"], gp_ref["bias"], rtol=1e-5)  # bias is exact
+    # and it is really quantised: not equal to the float32 result
+    assert _rel(y, y_ref) > 1e-4
+
+
+def test_the_state_update_is_the_cotangent_with_te_values():
+    x, module = _x(), DenseGeneral(features=8, use_bias=False)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(1), x)
+    metas = variables["fp8_metas"]
+    assert sorted(metas) == sorted(f"{q}_{k}" for q in ("x", "kernel", "grad")
+                                   for k in ("scale", "amax_history"))
+    assert metas["x_scale"].shape == (1,) and metas["x_amax_history"].shape == (4,)
+    dy = _x((4, 16, 8), seed=3)
+    new, _, _ = _train_steps(module, variables, x, dy, steps=1)
+    m = new["fp8_metas"]
+    for name, tensor, fp8_max in (("x", x, 448.0), ("kernel", variables["params"]["kernel"], 448.0),
+                                  ("grad", dy, 57344.0)):
+        amax = float(jnp.abs(tensor).max())
+        np.testing.assert_allclose(m[f"{name}_scale"], [fp8_max / amax], rtol=1e-6)
+        np.testing.assert_allclose(m[f"{name}_amax_history"], [0, 0, 0, amax], rtol=1e-6)
+
+
+def test_current_scaling_needs_no_state():
+    x, module = _x(), LayerNormMLP(intermediate_dim=32)
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        variables = module.init(jax.random.key(1), x, deterministic=True)
+    assert "fp8_metas" not in variables
+    dy = _x(seed=5)
+    _, y, _ = _train_steps(module, variables, x, dy, 1, recipe=Float8CurrentScaling(),
+                           call={"deterministic": True})
+    y_ref, _ = module.apply(variables, x, deterministic=True)
+    assert 1e-4 < _rel(y, y_ref) < 0.08  # two GEMMs' e4m3 rounding
+
+
+def test_init_outside_autocast_then_fp8_apply_is_a_clear_error():
+    x, module = _x(), LayerNormDenseGeneral(features=8)
+    variables = module.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="init inside flashmesh.te.autocast"):
+        with te.autocast(enabled=True, recipe=R):
+            module.apply(variables, x)
+
+
+def test_history_length_must_match_the_recipe():
+    x, module = _x(), DenseGeneral(features=8)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="amax_history_len"):
+        with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=8)):
+            module.apply(variables, x)
+
+
+def test_unused_state_is_kept_not_wiped():
+    x, module = _x(), DenseGeneral(features=8)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), x)
+    variables = dict(variables, fp8_metas=jax.tree.map(lambda v: v + 2.0, variables["fp8_metas"]))
+    grads = jax.grad(lambda v: jnp.sum(module.apply(v, x)))(variables)  # outside autocast
+    jax.tree.map(np.testing.assert_array_equal, update_fp8_metas(variables, grads)["fp8_metas"],
+                 variables["fp8_metas"])
+
+
+class _Twice(DenseGeneral):
+    """One DenseGeneral applied to two inputs (shared weights and shared FP8 state)."""
+
+    def __call__(self, pair):
+        return super().__call__(pair[0]) + super().__call__(pair[1])
+
+
+def test_reuse_combines_by_max_not_sum():
+    module = DenseGeneral(features=8, use_bias=False)
+    small, large = _x((2, 4, 16), seed=1), 10.0 * _x((2, 4, 16), seed=2)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), small)
+
+    def loss(v):
+        v = combine_by_max(v)
+        return jnp.sum(module.apply(v, small)) + jnp.sum(module.apply(v, large))
+
+    with te.autocast(enabled=True, recipe=R):
+        grads = jax.jit(jax.grad(loss))(variables)
+    m = update_fp8_metas(variables, grads)["fp8_metas"]
+    amax = float(jnp.abs(large).max())
+    np.testing.assert_allclose(m["x_amax_history"], [0, 0, 0, amax], rtol=1e-6)
+    np.testing.assert_allclose(m["x_scale"], [448.0 / amax], rtol=1e-6)
+
+
+def test_scan_over_microbatches_combines_by_max():
+    module = DenseGeneral(features=8, use_bias=False)
+    xs = _x((3, 2, 4, 16)) * jnp.asarray([1.0, 7.0, 2.0]).reshape(3, 1, 1, 1)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), xs[0])
+
+    def loss(v):
+        v = combine_by_max(v)
+        body = lambda c, x: (c + jnp.sum(module.apply(v, x)), None)
+        return jax.lax.scan(body, jnp.float32(0), xs)[0]
+
+    with te.autocast(enabled=True, recipe=R):
+        grads = jax.jit(jax.grad(loss))(variables)
+    m = update_fp8_metas(variables, grads)["fp8_metas"]
+    np.testing.assert_allclose(m["x_amax_history"][-1], float(jnp.abs(xs).max()), rtol=1e-6)
+    # the parameters' gradient is still the sum over microbatches
+    g_ref = sum(jax.grad(lambda v, x=x: jnp.sum(module.apply(v, x)))({"params": variables["params"]})["params"]["kernel"]
+                for x in xs)
+    assert _rel(grads["params"]["kernel"], g_ref) < 0.08
+
+
+def test_accumulate_gradients_takes_the_max_state():
+    module = DenseGeneral(features=8, use_bias=False)
+    a, b = _x((2, 4, 16), seed=1), 5.0 * _x((2, 4, 16), seed=2)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), a)
+        g = [jax.grad(lambda v, x=x: jnp.sum(module.apply(v, x)))(variables) for x in (a, b)]
+    total = accumulate_gradients(accumulate_gradients(None, g[0]), g[1])
+    np.testing.assert_allclose(total["params"]["kernel"], g[0]["params"]["kernel"] + g[1]["params"]["kernel"])
+    m = update_fp8_metas(variables, total)["fp8_metas"]
+    np.testing.assert_allclose(m["x_scale"], [448.0 / float(jnp.abs(b).max())], rtol=1e-6)
+
+
+def test_remat_gives_the_same_state_and_grads():
+    module = LayerNormMLP(intermediate_dim=32)
+    x, dy = _x(), _x(seed=4)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), x, deterministic=True)
+
+    def loss(v, x, remat):
+        f = lambda v, x: module.apply(v, x, deterministic=True)[0]
+        return jnp.vdot(jax.checkpoint(f)(v, x) if remat else f(v, x), dy)
+
+    with te.autocast(enabled=True, recipe=R):
+        plain = jax.jit(jax.grad(loss), static_argnums=2)(variables, x, False)
+        remat = jax.jit(jax.grad(loss), static_argnums=2)(variables, x, True)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), plain, remat)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharded_data_parallel_step_equals_one_device(axis_type):
+    """Under jit over a data-parallel mesh the amaxes are global, so the state (and the step)
+    equals the unsharded one, with sharding in types (Explicit) or not (Auto)."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    module = DenseGeneral(features=8)
+    x, dy = _x((8, 4, 16)), _x((8, 4, 8), seed=2)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), x)
+    one, _, _ = _train_steps(module, variables, x, dy, 2)
+    shard = jax.sharding.NamedSharding(mesh, jax.P("data"))
+    two, _, _ = _train_steps(module, variables, jax.device_put(x, shard), jax.device_put(dy, shard), 2)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), one["fp8_metas"], two["fp8_metas"])
+
+
+def test_checkpoint_round_trip(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    module = LayerNormMLP(intermediate_dim=32)
+    x, dy = _x(), _x(seed=4)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), x, deterministic=True)
+    variables, _, _ = _train_steps(module, variables, x, dy, 2, call={"deterministic": True})
+    state = {"params": variables["params"], "fp8_metas": variables["fp8_metas"]}
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "step2", state)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "step2", state)
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+    # training continues identically from the restored state
+    a, _, _ = _train_steps(module, dict(variables), x, dy, 1, call={"deterministic": True})
+    b, _, _ = _train_steps(module, dict(variables, **restored), x, dy, 1, call={"deterministic": True})
+    jax.tree.map(np.testing.assert_array_equal, a["fp8_metas"], b["fp8_metas"])
+
+
+def test_dense_function_form():
+    x, w = _x((32, 64)), _x((64, 16), seed=1)
+    state = {q: (jnp.full((1,), 50.0), jnp.zeros(4)) for q in ("x", "kernel", "grad")}
+    y = dense(x, w, state, R)
+    assert y.shape == (32, 16) and y.dtype == jnp.float32
+    assert _rel(y, x @ w) < 0.05
