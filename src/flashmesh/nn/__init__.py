@@ -8,6 +8,11 @@ from flashmesh.nn.attention import DotProductAttention
 from flashmesh.nn.dense import DenseGeneral, LayerNormDenseGeneral, dense_general
 from flashmesh.nn.layernorm import LayerNorm, layernorm
 from flashmesh.nn.mlp import LayerNormMLP, activation
+from flashmesh.nn.multihead import MultiHeadAttention
+from flashmesh.nn.relative import RelativePositionBiases
+from flashmesh.nn.rotary import rotary_pos_emb
+from flashmesh.nn.transformer import TransformerLayer, TransformerLayerType
 
 __all__ = ["DotProductAttention", "DenseGeneral", "LayerNormDenseGeneral", "LayerNorm",
-           "LayerNormMLP", "activation", "dense_general", "layernorm"]
+           "LayerNormMLP", "activation", "dense_general", "layernorm", "MultiHeadAttention",
+           "RelativePositionBiases", "TransformerLayer", "TransformerLayerType", "rotary_pos_emb"]

@@ -99,8 +99,14 @@ class _Projection(nn.Module):
     def _lora(self, x, in_shape, features) -> jax.Array:
         """TE's low-rank adaptation: x A B * alpha / r (B starts at zero), in x's dtype."""
         r = self.low_rank_adaptation_dim
-        a = self.param("lora_a_kernel", default_kernel_init(len(in_shape), 1), (*in_shape, r), self.dtype)
-        b = self.param("lora_b_kernel", nn.initializers.zeros, (r, *features), self.dtype)
+        axes = tuple(self.kernel_axes)
+        in_axes, out_axes = (axes[:len(in_shape)], axes[len(in_shape):]) if axes else ((), ())
+        a = partitioning.param_with_axes("lora_a_kernel", default_kernel_init(len(in_shape), 1),
+                                         (*in_shape, r), self.dtype,
+                                         axes=(*in_axes, "lora") if in_axes else (), module=self)
+        b = partitioning.param_with_axes("lora_b_kernel", nn.initializers.zeros, (r, *features),
+                                         self.dtype, axes=("lora", *out_axes) if out_axes else (),
+                                         module=self)
         y = dense_general(dense_general(x, a, len(in_shape)), b, 1)
         alpha = self.low_rank_adaptation_alpha
         return y if alpha is None else y * jnp.asarray(alpha / r, y.dtype)

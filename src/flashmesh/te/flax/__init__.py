@@ -5,6 +5,10 @@ are the same classes; DotProductAttention maps TE's fields onto `flashmesh.atten
 from flashmesh.nn.dense import DenseGeneral, LayerNormDenseGeneral
 from flashmesh.nn.layernorm import LayerNorm
 from flashmesh.nn.mlp import LayerNormMLP
+from flashmesh.nn.multihead import MultiHeadAttention
+from flashmesh.nn.relative import RelativePositionBiases
+from flashmesh.nn.transformer import TransformerLayer, TransformerLayerType
 from flashmesh.te.flax.transformer import DotProductAttention
 
-__all__ = ["DenseGeneral", "DotProductAttention", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
+__all__ = ["DenseGeneral", "DotProductAttention", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP",
+           "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "TransformerLayerType"]
