@@ -6,6 +6,8 @@ one frozen `AttentionSpec` plus one `AttentionInputs` pytree here; backends see 
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import numbers
 from typing import Any
@@ -278,4 +280,11 @@ def explain(q, k=None, v=None, **options):
         return 0
 
     jax.eval_shape(trace, q, k, v)
-    return registry.explain_spec(specs[0])
+    explanation = registry.explain_spec(specs[0])
+    from flashmesh.quantization import attention as fp8, active_recipe  # built on this module
+    recipe = active_recipe()
+    if getattr(recipe, "fp8_dpa", False):
+        reason = fp8.fp8_attention_support(q, k, v, recipe=recipe, **options)
+        text = "runs cuDNN's FP8 attention" if reason is None else f"refused (NotImplementedError): {reason}"
+        explanation = dataclasses.replace(explanation, fp8=text)
+    return explanation

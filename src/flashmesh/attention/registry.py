@@ -91,6 +91,7 @@ class Explanation:
     spec: AttentionSpec
     rows: tuple[Row, ...]
     chosen: str | None
+    fp8: str | None = None  # under autocast with fp8_dpa: what FP8 attention does with the call
 
     def available(self) -> list[str]:
         return [row.name for row in self.rows if row.reason is None]
@@ -111,6 +112,8 @@ class Explanation:
             if row.reason is None and IMPLEMENTATIONS[row.name].notes:
                 text += f"; {IMPLEMENTATIONS[row.name].notes}"
             lines.append(f"  {mark} {row.name:10s} {text}")
+        if self.fp8 is not None:
+            lines.append(f"  FP8 attention (autocast, fp8_dpa=True): {self.fp8}")
         return "\n".join(lines)
 
 

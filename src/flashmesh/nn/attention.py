@@ -15,6 +15,7 @@ from jaxtyping import Array, Float
 
 from flashmesh.attention import api
 from flashmesh.attention.sequence import SequenceDescriptor
+from flashmesh.quantization.attention import attend_under_autocast
 
 
 class DotProductAttention(nn.Module):
@@ -72,8 +73,11 @@ class DotProductAttention(nn.Module):
             deterministic = True
         if self.dtype is not None:
             q, k, v, bias = (None if x is None else jnp.asarray(x, self.dtype) for x in (q, k, v, bias))
-        return api.attention(
-            q, k, v, mask=self.mask, window=self.window, segments=segments, bias=bias,
-            scale=self.scale, softmax=self.softmax, sink=sink, logits_soft_cap=self.logits_soft_cap,
+        options = dict(
+            mask=self.mask, window=self.window, segments=segments, bias=bias, scale=self.scale,
+            softmax=self.softmax, sink=sink, logits_soft_cap=self.logits_soft_cap,
             dropout_rate=self.dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
             layout=self.layout, implementation=self.implementation)
+        arrays = tuple(x for x in (q, k, v) if x is not None)
+        out = attend_under_autocast(self, arrays, options)  # FP8 when autocast's recipe asks
+        return api.attention(*arrays, **options) if out is None else out

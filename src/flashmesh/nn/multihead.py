@@ -335,7 +335,7 @@ class MultiHeadAttention(nn.Module):
             attn_bias_type=bias_type, attn_mask_type=mask_type,
             qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD, softmax_type=softmax, scaling_factor=scale,
             dropout_probability=self.attention_dropout, is_training=not deterministic,
-            window_size=self.window_size, softmax_offset=offset)
+            window_size=self.window_size, softmax_offset=offset, module=self)
 
     @nn.compact
     def __call__(self, inputs_q: Float[Array, "B T E"], inputs_kv: Float[Array, "B S E2"],

@@ -405,3 +405,35 @@ def _fp8_attention_bwd(cfg: _Config, residuals, g):
 
 
 _fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# The modules' entry: FP8 attention when the autocast recipe asks for it
+# --------------------------------------------------------------------------------------------
+def attend_under_autocast(module, arrays: tuple, options: dict) -> jax.Array | None:
+    """The attention output in FP8 when the current autocast recipe has `fp8_dpa=True`.
+
+    Returns None outside such a block (the caller runs `flashmesh.attention` as usual) and
+    during `init` (after declaring the FP8 attention state in `fp8_metas`, so the variables
+    are complete). A call cuDNN's FP8 attention cannot run raises NotImplementedError with the
+    reason: asking for FP8 attention never silently gives bf16 attention. `arrays` and
+    `options` are `flashmesh.attention`'s positional arrays and keyword options."""
+    from flashmesh.attention import layouts
+    from flashmesh.quantization.autocast import active_recipe
+
+    recipe = active_recipe()
+    if recipe is None or not getattr(recipe, "fp8_dpa", False):
+        return None
+    options = {k: v for k, v in options.items() if k != "implementation"}
+    reason = fp8_attention_support(*arrays, recipe=recipe, **options)
+    if reason is not None:
+        raise NotImplementedError(f"FP8 attention (the recipe's fp8_dpa=True) cannot run this call: "
+                                  f"{reason}. Use a recipe with fp8_dpa=False for bf16 attention")
+    state = declare_state(module, recipe)
+    if module.is_initializing():
+        return None
+    spec = api.normalize(*arrays, **dict(options, return_lse=False))[1]
+    layout = options.get("layout", "bshd")
+    q, k, v = layouts.split(layout, *arrays, *(None,) * (3 - len(arrays)))
+    out = fp8_attention(q, k, v, state, recipe, causal=spec.window == (-1, 0), scale=spec.scale)
+    return layouts.restore(layout, out)

@@ -44,6 +44,8 @@ from jax.ad_checkpoint import checkpoint_name
 from flashmesh.attention import api, registry, varying
 from flashmesh.attention.sequence import SequenceDescriptor
 from flashmesh.parallel.context import context_parallel_attention
+from flashmesh.quantization.attention import attend_under_autocast
+from flashmesh.quantization.autocast import active_recipe
 from flashmesh.te.context_parallel import (ContextParallel, context_parallel,
                                            inverse_reorder_causal_load_balancing,
                                            reorder_causal_load_balancing)
@@ -212,10 +214,12 @@ def check_no_score_mod(**score_mod_args) -> None:
 
 def call_native(qkv, bias, sequence_descriptor, seed, *, sequence_major=False,
                 context_checkpoint_name="context",
-                context_parallel: ContextParallel | None = None, **kwargs) -> jax.Array:
+                context_parallel: ContextParallel | None = None, module=None, **kwargs) -> jax.Array:
     """`native_arguments` then one native call: `flashmesh.attention`, or
     `flashmesh.context_parallel_attention` with `context_parallel`'s arguments when given.
     fused_attn without its unsupported-argument checks (the Flax module makes those itself).
+    `module`: the calling Flax module, which holds the FP8 attention state when an autocast
+    recipe asks for FP8 attention (`fp8_dpa`; flashmesh.quantization.attention).
     """
     if context_parallel is not None and sequence_major:
         # The context-parallel call shards the sequence axis of batch-major arrays;
@@ -225,8 +229,13 @@ def call_native(qkv, bias, sequence_descriptor, seed, *, sequence_major=False,
         qkv, bias, sequence_descriptor, seed,
         sequence_major=sequence_major and context_parallel is None, **kwargs)
     if context_parallel is None:
-        out = api.attention(*arrays, **options)
+        out = None if module is None else attend_under_autocast(module, arrays, options)
+        if out is None:
+            out = api.attention(*arrays, **options)
     else:
+        if getattr(active_recipe(), "fp8_dpa", False):
+            raise NotImplementedError("FP8 attention (fp8_dpa=True) with context parallelism is not "
+                                      "supported; use a recipe with fp8_dpa=False")
         out = context_parallel_attention(*arrays, **context_parallel.options(), **options)
         if sequence_major:
             out = jnp.swapaxes(out, 0, 1)

@@ -149,4 +149,5 @@ class DotProductAttention(nn.Module):
             attn_mask_type=self.attn_mask_type, qkv_layout=layout, softmax_type=softmax,
             scaling_factor=scale, dropout_probability=self.attention_dropout,
             is_training=not deterministic, max_segments_per_seq=self.max_segments_per_seq,
-            window_size=self.window_size, softmax_offset=softmax_offset, context_parallel=cp)
+            window_size=self.window_size, softmax_offset=softmax_offset, context_parallel=cp,
+            module=self)

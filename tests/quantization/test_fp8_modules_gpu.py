@@ -1,0 +1,114 @@
+"""FP8 through the modules: the compiled HLO holds only FP8 cuBLASLt GEMMs (GPU), FP8
+attention under fp8_dpa (GPU; refused with its reason elsewhere), explain says which."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashmesh
+import flashmesh.te as te
+import flashmesh.te.flax as te_flax
+from flashmesh.quantization import update_fp8_metas
+from flashmesh.te.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+F8_GEMM = "__cublas$lt$matmul$f8"
+
+
+def gemm_calls(hlo: str) -> dict[str, int]:
+    """GEMMs in compiled HLO text by kind: FP8 cuBLASLt, other cuBLAS/cuBLASLt, Triton GEMM
+    fusions and plain dots left to XLA's emitters."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    return {
+        "f8": sum(t == F8_GEMM for t in targets),
+        "other_cublas": sum(t.startswith("__cublas") and t != F8_GEMM for t in targets),
+        "triton_gemm": len(re.findall(r'"kind":"__triton_gemm"|__triton_nested_gemm_fusion', hlo)),
+        "dot": len(re.findall(r"= \S+ dot\(", hlo)),
+    }
+
+
+def _guide_layer(hidden=512, ffn=2048, heads=4):
+    return te_flax.TransformerLayer(
+        hidden_size=hidden, mlp_hidden_size=ffn, num_attention_heads=heads, mlp_activations=("gelu",),
+        self_attn_mask_type="causal", layernorm_epsilon=1e-5, use_bias=True, intermediate_dropout=0.0,
+        enable_relative_embedding=False, self_attn_bias_type="no_bias", hidden_dropout=0.0,
+        attention_dropout=0.0)
+
+
+def _compiled_step(module, x, recipe, call):
+    with te.autocast(enabled=True, recipe=recipe):
+        variables = module.init(jax.random.key(0), x, **call)
+
+        def loss(v, x):
+            y = module.apply(v, x, **call)
+            y = y[0] if isinstance(y, tuple) else y
+            return jnp.sum(y.astype(jnp.float32))
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        text = step.lower(variables, x).compile().as_text()
+    return variables, step, text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("which", ["dense", "ln_mlp", "transformer_layer"])
+def test_every_gemm_of_an_fp8_layer_is_an_fp8_cublaslt_call(recipe, which):
+    x = jax.random.normal(jax.random.key(1), (2, 256, 512), jnp.bfloat16)
+    module, call, dense_gemms = {
+        "dense": (te_flax.DenseGeneral(features=1536), {}, 1),
+        "ln_mlp": (te_flax.LayerNormMLP(intermediate_dim=2048, use_bias=True), {"deterministic": True}, 2),
+        "transformer_layer": (_guide_layer(), {"deterministic": True}, 4),
+    }[which]
+    _, _, hlo = _compiled_step(module, x, recipe, call)
+    calls = gemm_calls(hlo)
+    assert calls["f8"] == 3 * dense_gemms, calls       # forward, dgrad, wgrad per dense
+    assert calls["other_cublas"] == 0 and calls["triton_gemm"] == 0 and calls["dot"] == 0, calls
+
+
+@pytest.mark.gpu
+def test_bf16_layer_has_no_fp8_gemm():
+    x = jax.random.normal(jax.random.key(1), (2, 256, 512), jnp.bfloat16)
+    module = te_flax.LayerNormMLP(intermediate_dim=2048)
+    variables = module.init(jax.random.key(0), x, deterministic=True)
+    step = jax.jit(jax.grad(lambda v: jnp.sum(module.apply(v, x, deterministic=True)[0].astype(jnp.float32))))
+    assert gemm_calls(step.lower(variables).compile().as_text())["f8"] == 0
+
+
+@pytest.mark.gpu
+def test_fp8_attention_under_fp8_dpa_runs_and_updates_its_state():
+    recipe = DelayedScaling(fp8_format=Format.E4M3, amax_history_len=4, fp8_dpa=True)
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 256, 4, 128), jnp.bfloat16) for i in range(3))
+    module = te_flax.DotProductAttention(head_dim=128, num_attention_heads=4)
+    with te.autocast(enabled=True, recipe=recipe):
+        variables = module.init(jax.random.key(0), q, k, v)
+        assert "q_scale" in variables["fp8_metas"] and "dp_amax_history" in variables["fp8_metas"]
+        loss = lambda vs, q: jnp.sum(module.apply(vs, q, k, v).astype(jnp.float32) ** 2)
+        for _ in range(2):
+            _, grads = jax.jit(jax.value_and_grad(loss))(variables, q)
+            variables = update_fp8_metas(variables, grads)
+        out = module.apply(variables, q, k, v)
+    ref = flashmesh.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                              mask="causal", implementation="reference")
+    err = float(jnp.linalg.norm((out.astype(jnp.float32) - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
+    assert err < 0.1, err
+    np.testing.assert_allclose(variables["fp8_metas"]["q_scale"], [448.0 / float(jnp.abs(q).max())],
+                               rtol=1e-2)
+
+
+def test_fp8_dpa_refuses_with_the_reason_and_explain_says_so():
+    q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)   # head dim 64: FP8 training needs 128
+    module = te_flax.DotProductAttention(head_dim=64, num_attention_heads=2)
+    recipe = DelayedScaling(fp8_format=Format.E4M3, fp8_dpa=True)
+    with te.autocast(enabled=True, recipe=recipe):
+        with pytest.raises(NotImplementedError, match="FP8 attention"):
+            module.init(jax.random.key(0), q, q, q)
+        text = str(flashmesh.explain(q, q, q, mask="causal"))
+    assert "FP8 attention (autocast, fp8_dpa=True): refused" in text
+    # without fp8_dpa, FP8 autocast leaves attention in bf16 (TE's default)
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        variables = module.init(jax.random.key(0), q, q, q)
+        assert "fp8_metas" not in variables
+        assert "FP8 attention" not in str(flashmesh.explain(q, q, q, mask="causal"))
