@@ -24,6 +24,14 @@ presets:
             already started, set XLA_FLAGS=--xla_force_host_platform_device_count=4 instead.
             Its rows (--implementations): <strategy>/<order>[:stripe], e.g. ring/striped:1, and
             the emulated programs steps, ring_local
+  layer     the getting-started guide's decoder layer (reference/004): one training step (fwd+bwd,
+            FP8 state written back each step) per variant, the guide's size on a GPU (B=4, T=2048,
+            hidden 4096, FFN 16384, 32 heads), tiny on a CPU or with --quick; input dtype bf16
+            unless --dtype. Each row is checked against a float32 reference (FP8 rows against
+            their bf16 twin) before it is timed; also the steps back to back, TFLOP/s and the
+            FP8 state update's share of the step. Its rows (--implementations): flax,
+            te_unfused_flax_attention, te_unfused, te_fused, te_unfused_fp8, te_fused_fp8,
+            transformer_layer, transformer_layer_fp8, jax_cudnn
 
 implementations (add @bf16, @f16 or @f32 to fix a row's dtype, e.g. xla@f32):
   naive, xla, cudnn, flashmesh, flashmesh:<backend> (reference, chunked, cudnn, ...),
@@ -73,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "so that drift hits them alike (default 5)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    from flashmesh.train import cli as train_cli
+
+    train_cli.add_arguments(sub.add_parser(
+        "train", help="train a small byte-level GPT in bf16 and FP8 and report both loss curves",
+        description="Train a small GPT (TransformerLayers) on the bytes of the Python standard library "
+                    "in bf16 and in FP8; write results.json, report.md and loss.png."))
     return parser
 
 
@@ -99,11 +113,13 @@ def make_plan(args, platform: str) -> shape_tables.Preset:
     --shapes picks from the chosen preset's groups; without --preset it also looks in the
     other presets, and a selection reaching outside the default preset is called "custom".
     The cp preset's rows are strategies x orders (`shapes.select_cp_rows`), all in the run's
-    dtype; its --quick is a tiny workload.
+    dtype; its --quick is a tiny workload. The layer preset's rows are the guide's variants
+    (`shapes.LAYER_VARIANTS`), all with the run's input dtype, fwd+bwd only; --quick is tiny.
     """
     name = args.preset or shape_tables.default_preset(platform)
     preset = shape_tables.preset(name, platform, quick=args.quick)
     cp = preset.kind == "context_parallel"
+    layer = preset.kind == "layer"
     groups = list(preset.groups)
     if args.groups:
         unknown = [g for g in args.groups if g not in {grp.name for grp in groups}]
@@ -122,11 +138,18 @@ def make_plan(args, platform: str) -> shape_tables.Preset:
             name = "custom"
     if args.implementations and cp:  # the cp preset's rows are strategies/orders, not implementations
         groups = shape_tables.select_cp_rows(groups, args.implementations)
+    elif args.implementations and layer:  # the layer preset's rows are the guide's variants
+        unknown = [v for v in args.implementations if v not in shape_tables.LAYER_VARIANTS]
+        if unknown:
+            raise ValueError(f"--implementations: {unknown} are not rows of the layer preset; "
+                             f"known: {', '.join(shape_tables.LAYER_VARIANTS)}")
+        groups = [dataclasses.replace(g, implementations=tuple(dict.fromkeys(args.implementations)))
+                  for g in groups]
     elif args.implementations:
         for label in args.implementations:
             Candidate.parse(label)  # ValueError names the bad one
         groups = [dataclasses.replace(g, implementations=tuple(args.implementations)) for g in groups]
-    if args.dtype and not cp:  # cp rows all run in the run's dtype (config.dtype)
+    if args.dtype and not (cp or layer):  # cp and layer rows all run in the run's dtype (config.dtype)
         def retype(labels):
             return tuple(dict.fromkeys(f"{label.partition('@')[0]}@{args.dtype}" for label in labels))
         groups = [dataclasses.replace(g, implementations=retype(g.implementations)) for g in groups]
@@ -134,6 +157,8 @@ def make_plan(args, platform: str) -> shape_tables.Preset:
         bad = [m for m in args.modes if m not in ("fwd", "fwdbwd")]
         if bad:
             raise ValueError(f"--modes: {bad} must be fwd and/or fwdbwd")
+        if layer and args.modes != ["fwdbwd"]:
+            raise ValueError(f"--modes: {args.modes}: the layer preset times training steps, fwdbwd only")
         groups = [dataclasses.replace(g, modes=tuple(args.modes)) for g in groups]
     if args.quick:
         groups = [dataclasses.replace(g, shapes=g.shapes[:3]) if g.sweep else g for g in groups]
@@ -191,8 +216,9 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
         parser.exit(2, f"flashmesh bench: error: {e}\n")
     # (warm-up, timed calls, seconds of timing per row at most)
     warmup, iters, max_seconds = (1, 5, 2.0) if args.quick else (3, 20, 10.0) if platform == "gpu" else (2, 10, 2.0)
+    layer = plan.kind == "layer"  # the guide's input is bf16 on every platform
     config = runner.RunConfig(
-        dtype=args.dtype or ("bf16" if platform == "gpu" else "f32"),
+        dtype=args.dtype or ("bf16" if platform == "gpu" or layer else "f32"),
         warmup=args.warmup if args.warmup is not None else warmup,
         iters=args.iters if args.iters is not None else iters,
         max_seconds=max_seconds, rounds=args.rounds, progress=not args.no_progress)
@@ -203,7 +229,12 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
     cp = plan.kind == "context_parallel"
     if cp:  # rows of strategies and orders, measured and reported by their own modules
         from flashmesh.bench import context, context_facts, context_report
-    size = context.plan_size(plan) if cp else runner.plan_size(plan)
+    if layer:  # rows of the guide's layer variants, likewise
+        from flashmesh.bench import layer as layer_bench
+        from flashmesh.bench import layer_report
+
+        meta.update(flop_formula=layer_bench.FLOP_FORMULA, timing=layer_bench.TIMING_TEXT)
+    size = context.plan_size(plan) if cp else layer_bench.plan_size(plan) if layer else runner.plan_size(plan)
     console.print(f"flashmesh bench: preset [bold]{plan.name}[/] on {meta['device']} "
                   f"({size} rows) -> {directory}")
     extra = context_facts.facts(plan, config) if cp else None
@@ -217,7 +248,8 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
     # A killed run (Ctrl-C, or SIGTERM from a time limit) still writes the report of its rows.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        results = (context.run if cp else runner.run)(plan, config, on_result=on_result)
+        results = (context.run if cp else layer_bench.run if layer else runner.run)(plan, config,
+                                                                                  on_result=on_result)
     except KeyboardInterrupt:
         results = list(done)
         console.print(f"[yellow]interrupted after {len(results)} rows: writing the report of those[/]")
@@ -227,6 +259,9 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
     if cp:
         context_report.print_tables(plan, results, extra, console)
         path = context_report.write_report(directory, meta, plan, results, extra, plots=not args.no_plots)
+    elif layer:
+        layer_report.print_tables(plan, results, meta["device"], console)
+        path = layer_report.write_report(directory, meta, plan, results, plots=not args.no_plots)
     else:
         report.print_tables(plan, results, console, causal)
         path = report.write_report(directory, meta, plan, results, causal, make_plots=not args.no_plots)
@@ -242,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "train":
+        from flashmesh.train import cli as train_cli
+
+        return train_cli.run(args, argv[1:], parser)
     if args.command != "bench":
         parser.print_help()
         return 0

@@ -11,6 +11,8 @@ codelab at sizes a CPU runs in about a minute (the default without a GPU), `quic
 (tests, smoke checks). Sizes that only make sense on a GPU are chosen by `platform`.
 `cp` is context parallelism on the CP tutorial's workload (`reference/003`): its rows are
 strategies and sequence orders (`CpRow`), measured by `context.py`, not implementations.
+`layer` is the getting-started guide's decoder layer (`reference/004`, a `LayerShape`): its rows
+are the guide's variants of one layer (`layer_models.py`), measured by `layer.py`.
 """
 
 from __future__ import annotations
@@ -141,8 +143,9 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """kind: "attention" (rows are implementations, `runner.py`) or "context_parallel" (rows
-    are strategies x orders and emulated ranks, `context.py`)."""
+    """kind: "attention" (rows are implementations, `runner.py`), "context_parallel" (rows
+    are strategies x orders and emulated ranks, `context.py`) or "layer" (rows are variants of
+    the guide's decoder layer, `layer.py`)."""
 
     name: str
     description: str
@@ -376,15 +379,71 @@ def select_cp_rows(groups: tuple[Group, ...] | list[Group], labels: list[str]) -
     return kept
 
 
-PRESETS = {"codelab": codelab, "anchors": anchors, "small": small, "quick": quick, "cp": cp}
+# -- the getting-started decoder layer (reference/004) -----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer's size: B batch, T sequence, `hidden` model width, `ffn` MLP width,
+    `heads` attention heads (head dim hidden // heads); causal self-attention."""
+
+    name: str
+    B: int
+    T: int
+    hidden: int
+    ffn: int
+    heads: int
+    note: str = ""
+
+    def __post_init__(self):
+        if min(self.B, self.T, self.hidden, self.ffn, self.heads) <= 0:
+            raise ValueError(f"layer shape {self.name!r} has a non-positive dimension")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be a multiple of heads={self.heads} in {self.name!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def describe(self) -> str:
+        return (f"B={self.B}, T={self.T}, hidden={self.hidden}, FFN={self.ffn}, heads={self.heads} "
+                f"(head dim {self.head_dim}), causal")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+LAYER_GUIDE = LayerShape("guide_layer", B=4, T=2048, hidden=4096, ffn=16384, heads=32,
+                         note="the getting-started guide's layer (reference/004)")
+LAYER_TINY = LayerShape("guide_layer_tiny", B=2, T=32, hidden=64, ffn=256, heads=4,
+                        note="the guide's layer at CPU size (examples/getting_started.py --small)")
+# Rows of the layer preset (flashmesh.bench.layer_models.VARIANTS describes each).
+LAYER_VARIANTS = ("flax", "te_unfused_flax_attention", "te_unfused", "te_fused", "te_unfused_fp8",
+                  "te_fused_fp8", "transformer_layer", "transformer_layer_fp8",
+                  "transformer_layer_no_attn_dropout", "transformer_layer_no_attn_dropout_fp8", "jax_cudnn")
+
+
+def layer(platform: str, *, quick: bool = False) -> Preset:
+    """The guide's decoder layer, one fwd+bwd training step per variant: the guide's size on a
+    GPU, tiny on a CPU and with --quick."""
+    shape = LAYER_GUIDE if platform == "gpu" and not quick else LAYER_TINY
+    group = Group("layer", "The getting-started decoder layer: one training step (fwd+bwd) per variant",
+                  (shape,), LAYER_VARIANTS, modes=("fwdbwd",),
+                  description="Each row is jit(value_and_grad) of <layer(x), dy> over the variables and "
+                              "the input, with the FP8 state threaded from step to step as training "
+                              "does; checked against a float32 reference before it is timed.")
+    return Preset("layer", "The getting-started guide's decoder layer (reference/004): plain Flax, "
+                  "flashmesh's TransformerEngine modules in bf16 and FP8, and a hand-written JAX layer.",
+                  (group,), kind="layer")
+
+
+PRESETS = {"codelab": codelab, "anchors": anchors, "small": small, "quick": quick, "cp": cp, "layer": layer}
 
 
 def preset(name: str, platform: str, *, quick: bool = False) -> Preset:
-    """The named preset; `quick` picks the cp preset's tiny workload (other presets cut their
-    sweeps in `cli.make_plan`)."""
+    """The named preset; `quick` picks the cp and layer presets' tiny workloads (other presets
+    cut their sweeps in `cli.make_plan`)."""
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} must be one of {sorted(PRESETS)}")
-    return cp(platform, quick=quick) if name == "cp" else PRESETS[name](platform)
+    return PRESETS[name](platform, quick=quick) if name in ("cp", "layer") else PRESETS[name](platform)
 
 
 def default_preset(platform: str) -> str:

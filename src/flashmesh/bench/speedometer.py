@@ -10,6 +10,8 @@ line changed (`from flashmesh.bench import speedometer`). One step is
 jitted once, run `warmup_iters` times, then `timing_iters` times back to back; it prints
 "Mean time: X ms" (the tutorials' line) and returns X. Unlike the original it waits for the
 device before reading the clock at both ends, so the mean is the work, not the dispatch.
+Under FP8 autocast each step also writes the FP8 state's new value (the `fp8_metas`
+gradients) over the variables, which the next step uses, as a training loop does.
 """
 
 from __future__ import annotations
@@ -31,9 +33,7 @@ def _autocast(autocast_kwargs: dict | None):
     return autocast(**autocast_kwargs)
 
 
-def create_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | None = None,
-                         autocast_kwargs: dict | None = None) -> Callable:
-    """A jitted step (variables, input, output_grad, rngs) -> (loss, (variable_grads, input_grads))."""
+def _value_and_grad(model_apply_fn: Callable, forward_kwargs: dict | None, autocast_kwargs: dict | None):
     forward_kwargs = dict(forward_kwargs or {})
 
     def loss_fn(variables, inp, grad_target, rngs):
@@ -42,7 +42,46 @@ def create_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | None =
         # vdot with the output gradient: its gradient is exactly the VJP with output_grad.
         return jnp.vdot(out, grad_target.astype(out.dtype)).astype(jnp.float32)
 
-    return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+    return jax.value_and_grad(loss_fn, argnums=(0, 1))
+
+
+def create_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | None = None,
+                         autocast_kwargs: dict | None = None) -> Callable:
+    """A jitted step (variables, input, output_grad, rngs) -> (loss, (variable_grads, input_grads))."""
+    return jax.jit(_value_and_grad(model_apply_fn, forward_kwargs, autocast_kwargs))
+
+
+def create_fp8_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | None = None,
+                             autocast_kwargs: dict | None = None) -> Callable:
+    """The step of a training loop under FP8 autocast, jitted: (variables, input, output_grad,
+    rngs) -> (new_variables, loss, (variable_grads, input_grads)), where new_variables has the
+    `fp8_metas` gradients written over the FP8 state (TransformerEngine's convention: the
+    state's new value comes back as its cotangent; `flashmesh.quantization.update_fp8_metas`)."""
+    from flashmesh.quantization import update_fp8_metas
+
+    value_and_grad = _value_and_grad(model_apply_fn, forward_kwargs, autocast_kwargs)
+
+    def step(variables, inp, grad_target, rngs):
+        loss, grads = value_and_grad(variables, inp, grad_target, rngs)
+        return update_fp8_metas(variables, grads[0]), loss, grads
+
+    return jax.jit(step)
+
+
+# Steps of a call that names none (set_default_iterations changes them, e.g. for CPU runs).
+DEFAULT_ITERATIONS = {"timing_iters": 20, "warmup_iters": 10}
+
+
+def set_default_iterations(timing_iters: int, warmup_iters: int) -> None:
+    """The timed and warm-up steps of every later `speedometer` call that names none; a
+    tutorial run at a small size (`--small`) asks for few without changing its calls."""
+    _check_iterations(timing_iters, warmup_iters)
+    DEFAULT_ITERATIONS.update(timing_iters=timing_iters, warmup_iters=warmup_iters)
+
+
+def _check_iterations(timing_iters: int, warmup_iters: int) -> None:
+    if timing_iters < 1 or warmup_iters < 0:
+        raise ValueError(f"timing_iters={timing_iters} must be >= 1 and warmup_iters={warmup_iters} >= 0")
 
 
 def speedometer(
@@ -53,8 +92,8 @@ def speedometer(
     model_init_fn: Callable | None = None,
     forward_kwargs: dict | None = None,
     autocast_kwargs: dict | None = None,
-    timing_iters: int = 20,
-    warmup_iters: int = 10,
+    timing_iters: int | None = None,
+    warmup_iters: int | None = None,
     rngs: dict[str, jax.Array] | None = None,
     dropout_key: jax.Array | None = None,
     fp8_autocast_kwargs: dict | None = None,
@@ -70,8 +109,11 @@ def speedometer(
         keep scaling state in the variables), called as model_init_fn(key, input, **forward_kwargs).
       forward_kwargs: extra keyword arguments of the forward call (e.g. deterministic=False,
         sequence_descriptor=...).
-      autocast_kwargs (alias fp8_autocast_kwargs): arguments of `flashmesh.te.autocast`.
-      timing_iters, warmup_iters: timed and untimed steps.
+      autocast_kwargs (alias fp8_autocast_kwargs): arguments of `flashmesh.te.autocast`. With
+        enabled=True every step also writes the `fp8_metas` gradients over the FP8 state
+        (`create_fp8_train_step_fn`) and the next step runs with the new state, so the timed
+        steps include the state update.
+      timing_iters, warmup_iters: timed and untimed steps (default: DEFAULT_ITERATIONS, 20 and 10).
       rngs: rng streams for `apply` (a fresh split per step); default {"dropout": dropout_key}.
       dropout_key: key of the default dropout stream (default jax.random.key(0)).
 
@@ -79,15 +121,27 @@ def speedometer(
       >>> speedometer(model.apply, variables, (q, k, v), dout, timing_iters=20, warmup_iters=10)
       Mean time: <mean milliseconds per timed step> ms
     """
-    if timing_iters < 1 or warmup_iters < 0:
-        raise ValueError(f"timing_iters={timing_iters} must be >= 1 and warmup_iters={warmup_iters} >= 0")
+    timing_iters = DEFAULT_ITERATIONS["timing_iters"] if timing_iters is None else timing_iters
+    warmup_iters = DEFAULT_ITERATIONS["warmup_iters"] if warmup_iters is None else warmup_iters
+    _check_iterations(timing_iters, warmup_iters)
     autocast_kwargs = autocast_kwargs if autocast_kwargs is not None else fp8_autocast_kwargs
+    fp8 = bool(autocast_kwargs and autocast_kwargs.get("enabled", False))
     if rngs is None:
         rngs = {"dropout": dropout_key if dropout_key is not None else jax.random.key(0)}
-    if model_init_fn is not None and autocast_kwargs and autocast_kwargs.get("enabled", False):
+    if model_init_fn is not None and fp8:
         with _autocast(autocast_kwargs):
             variables = model_init_fn(jax.random.key(0), input, **(forward_kwargs or {}))
-    step = create_train_step_fn(model_apply_fn, forward_kwargs, autocast_kwargs)
+    if fp8:  # each step writes the FP8 state's new value over it, as a training step does
+        fp8_step = create_fp8_train_step_fn(model_apply_fn, forward_kwargs, autocast_kwargs)
+
+        def step(variables, *args):
+            variables, *result = fp8_step(variables, *args)
+            return variables, result
+    else:
+        grad_step = create_train_step_fn(model_apply_fn, forward_kwargs, autocast_kwargs)
+
+        def step(variables, *args):
+            return variables, grad_step(variables, *args)
 
     def next_rngs(rngs):
         split = {name: jax.random.split(key) for name, key in rngs.items()}
@@ -96,13 +150,13 @@ def speedometer(
     result = None
     for _ in range(warmup_iters):
         rngs, step_rngs = next_rngs(rngs)
-        result = step(variables, input, output_grad, step_rngs)
-    jax.block_until_ready((result, rngs))
+        variables, result = step(variables, input, output_grad, step_rngs)
+    jax.block_until_ready((result, variables, rngs))
     start = time.perf_counter()
     for _ in range(timing_iters):
         rngs, step_rngs = next_rngs(rngs)
-        result = step(variables, input, output_grad, step_rngs)
-    jax.block_until_ready(result)
+        variables, result = step(variables, input, output_grad, step_rngs)
+    jax.block_until_ready((result, variables))
     mean_ms = (time.perf_counter() - start) * 1e3 / timing_iters
     print(f"Mean time: {mean_ms} ms")
     return mean_ms

@@ -1,0 +1,64 @@
+"""Diagnosis only (numbers are claimed from `flashmesh bench --preset layer`): time the guide's
+TransformerLayer fwd+bwd in bf16 and FP8 at the guide's size and count the FP8 GEMMs."""
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import flashmesh.te as te
+import flashmesh.te.flax as te_flax
+from flashmesh.quantization import update_fp8_metas
+from flashmesh.te.recipe import DelayedScaling, Format
+
+B, T, H, F, N = 4, 2048, 4096, 16384, 32
+if "--small" in sys.argv:
+    B, T, H, F, N = 2, 128, 256, 1024, 4
+x = jax.random.normal(jax.random.key(0), (B, T, H), jnp.bfloat16)
+dy = jax.random.normal(jax.random.key(1), (B, T, H), jnp.bfloat16)
+layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=F, num_attention_heads=N,
+                                 mlp_activations=("gelu",), self_attn_mask_type="causal",
+                                 layernorm_epsilon=1e-5, use_bias=True, intermediate_dropout=0.0,
+                                 enable_relative_embedding=False, self_attn_bias_type="no_bias",
+                                 hidden_dropout=0.0)
+
+
+def run(fp8):
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    with te.autocast(enabled=fp8, recipe=recipe):
+        variables = layer.init(jax.random.key(2), x, deterministic=False)
+
+        def step(v, x, dy, key):
+            def loss(v, x):
+                return jnp.vdot(layer.apply(v, x, deterministic=False, rngs={"dropout": key}), dy).astype(jnp.float32)
+            _, (gv, gx) = jax.value_and_grad(loss, argnums=(0, 1))(v, x)
+            return update_fp8_metas(v, gv), gv["params"], gx
+
+        f = jax.jit(step)
+        text = f.lower(variables, x, dy, jax.random.key(3)).compile().as_text()
+    targets = re.findall(r'custom_call_target="([^"]+)"', text)
+    gemms = {t: targets.count(t) for t in set(targets) if "cublas" in t or "cudnn" in t}
+    triton = len(re.findall(r"__triton_gemm|triton_nested_gemm", text))
+    with te.autocast(enabled=fp8, recipe=recipe):
+        for i in range(5):
+            variables, g, gx = f(variables, x, dy, jax.random.key(i))
+        jax.block_until_ready((variables, g, gx))
+        times = []
+        for i in range(20):
+            t0 = time.perf_counter()
+            variables, g, gx = f(variables, x, dy, jax.random.key(i))
+            jax.block_until_ready((variables, g, gx))
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(20):
+            variables, g, gx = f(variables, x, dy, jax.random.key(i))
+        jax.block_until_ready((variables, g, gx))
+        b2b = (time.perf_counter() - t0) / 20
+    times.sort()
+    print(f"fp8={fp8}: median {times[10]*1e3:.2f} ms, back-to-back {b2b*1e3:.2f} ms; gemms {gemms} triton {triton}",
+          flush=True)
+
+
+run(False)
+run(True)
