@@ -330,7 +330,8 @@ def test_support_reasons(name):
                                 dict(H=64, is_training=False, recipe=RECIPE),
                                 dict(device=cudnn.Device(91900, (10, 0)))])
 def test_supported(kw):
-    assert _support(**kw) is None
+    # Supported in every respect but the measured wrong results, which disable it everywhere.
+    assert _support(**kw) == fa8.KNOWN_WRONG
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,7 +346,9 @@ def _rel(got, want):
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "kern"))
-def _gpu_step(q, k, v, state, g, *, causal, kern=None):
+def _gpu_step(q, k, v, state, g, *, causal, kern=fa8.CUDNN_KERNELS):
+    # The cuDNN kernels are passed explicitly: the support check refuses them (KNOWN_WRONG),
+    # and these tests measure the kernels themselves.
     """(out, (dq, dk, dv, new state)); kern None is cuDNN. Arrays are arguments, not constants
     closed over, so XLA does not constant-fold the inputs' reductions."""
     f = lambda q, k, v, s: fa8.fp8_attention(q, k, v, s, RECIPE, causal=causal,  # noqa: E731
@@ -366,6 +369,7 @@ def _f32_and_inputs_only(q, k, v, g, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason=fa8.KNOWN_WRONG)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_cudnn_fp8_against_float32(causal):
     """Measured on CPU with the emulation at this shape: full emulation 5.5-6 % (out) and
@@ -386,6 +390,7 @@ def test_gpu_cudnn_fp8_against_float32(causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason=fa8.KNOWN_WRONG)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_scales_update_over_steps(causal):
     q, k, v, g = _inputs(GPU_SHAPE, jnp.bfloat16, seed=2)
@@ -410,7 +415,8 @@ def test_gpu_scales_update_over_steps(causal):
 @pytest.mark.gpu
 def test_gpu_support_here():
     q, k, v, _ = _inputs(GPU_SHAPE, jnp.bfloat16)
-    assert fa8.fp8_attention_support(q, k, v, mask="causal", recipe=RECIPE) is None
+    # Supported in every other respect; refused for the wrong results measured here.
+    assert fa8.fp8_attention_support(q, k, v, mask="causal", recipe=RECIPE) == fa8.KNOWN_WRONG
 
 
 @pytest.mark.gpu

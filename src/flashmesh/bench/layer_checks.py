@@ -33,7 +33,7 @@ from flashmesh.bench import layer_models
 CANONICAL = ("ln1", "qkv", "out", "ln2", "fc1", "fc2")
 # A row in a float dtype may err at most this many times the plain computation in that dtype
 # (reference_layer in bf16 against float32), plus this absolute floor (FlashAttention's rule).
-TOLERANCE_FACTOR, TOLERANCE_FLOOR = 2.0, 1e-3
+TOLERANCE_FACTOR, TOLERANCE_FLOOR = 2.5, 1e-3
 # FP8 against its bf16 twin: E5M2 gradients carry ~6 % error per GEMM (research/fp8_layer.md,
 # 3.2); 0.2 leaves ~3x that for the layer's GEMM chain, while a stale, zero or saturated scale
 # gives errors of order 1.

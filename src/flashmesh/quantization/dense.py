@@ -36,14 +36,7 @@ TN = (((1,), (1,)), ((), ()))  # contract axis 1 of both operands: A [M, K], B [
 
 
 def _mm(a, b, inv_scale, out_dtype, out_sharding=None):
-    """a . b^T (both contiguous along K) with a bf16/f16/f32 output, rescaled.
-
-    The FP8 operands pass an optimisation barrier first. Without it XLA's GEMM fusion pulls
-    their producers (the quantising converts and transposes) into a Triton GEMM, which on
-    Hopper runs FP8 no faster than bf16 (measured on the H200: 1 of 12 GEMMs of a layer stayed
-    a cuBLASLt FP8 call); behind the barrier each is the bare TN FP8 dot that XLA's GEMM
-    rewriter turns into `__cublas$lt$matmul$f8`."""
-    a, b = lax.optimization_barrier((a, b))
+    """a . b^T (both contiguous along K) with a bf16/f16/f32 output, rescaled."""
     y = lax.dot_general(a, b, TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype,
                         out_sharding=out_sharding)
     return y * inv_scale.astype(out_dtype).reshape(())
