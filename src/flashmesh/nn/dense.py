@@ -19,7 +19,7 @@ from flax.linen import partitioning
 from jax import lax
 from jaxtyping import Array, Float
 
-from flashmesh.nn.layernorm import expand, layernorm, layernorm_params
+from flashmesh.nn.layernorm import expand, input_layernorm
 from flashmesh.quantization import state as qstate
 from flashmesh.quantization.dense import dense as fp8_dense
 
@@ -209,14 +209,7 @@ class LayerNormDenseGeneral(_Projection):
         _no_checkpoint_name(self)
         x = inputs
         if self.enable_layernorm:
-            x = constrain(x, self.layernorm_input_axes)
-            scale, bias = layernorm_params(
-                self, x.shape[-1], layernorm_type=self.layernorm_type,
-                zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
-                scale_axes=self.scale_axes, bias_init=self.ln_bias_init,
-                bias_axes=self.ln_bias_axes, dtype=self.dtype)
-            x = layernorm(x, scale, bias, layernorm_type=self.layernorm_type,
-                          epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
+            x = input_layernorm(self, constrain(x, self.layernorm_input_axes))
         ln_out = x if self.return_layernorm_output else None
         x = constrain(x, self.dot_input_axes)
         y = self.project(x, contracting_axes(self.axis, x.ndim))

@@ -18,7 +18,7 @@ from flax import linen as nn
 from flax.linen import partitioning
 from jaxtyping import Array, Float
 
-__all__ = ["layernorm", "LayerNorm", "LAYERNORM_TYPES", "layernorm_params", "expand"]
+__all__ = ["layernorm", "LayerNorm", "LAYERNORM_TYPES", "layernorm_params", "expand", "input_layernorm"]
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -81,6 +81,21 @@ def layernorm_params(module: nn.Module, features: int, *, layernorm_type: str,
         bias = partitioning.param_with_axes(bias_name, bias_init, (features,), dtype,
                                             axes=tuple(bias_axes), module=module)
     return scale, bias
+
+
+def input_layernorm(module: nn.Module, x: jax.Array) -> jax.Array:
+    """The optional LayerNorm in front of LayerNormDenseGeneral and LayerNormMLP, read from
+    the module's TE fields (enable_layernorm, layernorm_type, epsilon, zero_centered_gamma,
+    scale_init, scale_axes, ln_bias_init, ln_bias_axes, dtype); x unchanged when disabled."""
+    if not module.enable_layernorm:
+        return x
+    scale, bias = layernorm_params(
+        module, x.shape[-1], layernorm_type=module.layernorm_type,
+        zero_centered_gamma=module.zero_centered_gamma, scale_init=module.scale_init,
+        scale_axes=module.scale_axes, bias_init=module.ln_bias_init, bias_axes=module.ln_bias_axes,
+        dtype=module.dtype)
+    return layernorm(x, scale, bias, layernorm_type=module.layernorm_type, epsilon=module.epsilon,
+                     zero_centered_gamma=module.zero_centered_gamma)
 
 
 class LayerNorm(nn.Module):

@@ -19,7 +19,7 @@ from flax.linen import partitioning
 from jax.ad_checkpoint import checkpoint_name
 
 from flashmesh.nn.dense import constrain, default_kernel_init, dense_general
-from flashmesh.nn.layernorm import expand, layernorm, layernorm_params
+from flashmesh.nn.layernorm import expand, input_layernorm
 from flashmesh.quantization import state as qstate
 
 __all__ = ["ACTIVATIONS", "activation", "LayerNormMLP"]
@@ -144,14 +144,7 @@ class LayerNormMLP(nn.Module):
         names = _activation_names(self.activations)
         x = inputs
         if self.enable_layernorm:
-            x = constrain(x, self.layernorm_input_axes)
-            scale, bias = layernorm_params(
-                self, x.shape[-1], layernorm_type=self.layernorm_type,
-                zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
-                scale_axes=self.scale_axes, bias_init=self.ln_bias_init,
-                bias_axes=self.ln_bias_axes, dtype=self.dtype)
-            x = layernorm(x, scale, bias, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
-                          zero_centered_gamma=self.zero_centered_gamma)
+            x = input_layernorm(self, constrain(x, self.layernorm_input_axes))
         ln_out = x if self.return_layernorm_output else None
         hidden, n, F = x.shape[-1], len(names), self.intermediate_dim
 

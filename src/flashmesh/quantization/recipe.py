@@ -74,6 +74,13 @@ def _format(value: Any, name: str) -> Format:
     raise ValueError(f"{name} must be a Format (E4M3, HYBRID, ...), got {value!r}")
 
 
+def _per_tensor_format(recipe) -> None:
+    """Normalise a per-tensor recipe's fp8_format (a Format or its name); HYBRID or E4M3 only."""
+    object.__setattr__(recipe, "fp8_format", _format(recipe.fp8_format, "fp8_format"))
+    if recipe.fp8_format not in (Format.HYBRID, Format.E4M3):
+        raise ValueError(f"fp8_format must be Format.HYBRID or Format.E4M3, got {recipe.fp8_format}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling:
     """Per-tensor scaling from the amax history (TE's default recipe).
@@ -106,9 +113,7 @@ class DelayedScaling:
     fp8_mha: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "fp8_format", _format(self.fp8_format, "fp8_format"))
-        if self.fp8_format not in (Format.HYBRID, Format.E4M3):
-            raise ValueError(f"fp8_format must be Format.HYBRID or Format.E4M3, got {self.fp8_format}")
+        _per_tensor_format(self)
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
         if (not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool)
@@ -149,9 +154,7 @@ class Float8CurrentScaling:
     fp8_mha: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "fp8_format", _format(self.fp8_format, "fp8_format"))
-        if self.fp8_format not in (Format.HYBRID, Format.E4M3):
-            raise ValueError(f"fp8_format must be Format.HYBRID or Format.E4M3, got {self.fp8_format}")
+        _per_tensor_format(self)
         if not isinstance(self.use_power_2_scales, bool):
             raise ValueError(f"use_power_2_scales must be a bool, got {self.use_power_2_scales!r}")
 
