@@ -15,7 +15,9 @@ Every variant of `layer_models.VARIANTS` is one row, measured one after another:
    (`flashmesh.quantization.update_fp8_metas`), as a training loop does;
 3. warmed up with the variables and the dropout key threaded from step to step; an FP8 row
    whose state did not change over the warm-up is wrong (the state update is broken);
-4. checked with dropout off (`layer_checks.py`): output, dx and every parameter gradient
+4. checked with dropout off (`layer_checks.py`), on the first CHECK_TOKENS tokens of the first
+   batch row (the same parameters and code; the full size costs minutes per row on a GPU):
+   output, dx and every parameter gradient
    against the float32 reference on the row's own parameters; FP8 rows (with the state the
    warm-up left) against their bf16 twin. A wrong row is reported and not timed; one that
    cannot be checked (its twin failed, an unknown parameter layout) is timed as unchecked;
@@ -45,6 +47,7 @@ from flashmesh.bench import flops, layer_checks, layer_models, runner, timing
 from flashmesh.bench.implementations import DTYPES
 from flashmesh.bench.shapes import LayerShape, Preset
 
+CHECK_TOKENS = 512
 FLOP_FORMULA = (
     "FLOPs per step = GEMMs + attention. GEMMs: 3 x 2 x M x K x N per dense layer (forward, "
     "dgrad, wgrad; M = B*T): QKV H->3H, out H->H, FFN1 H->F, FFN2 F->H. Attention (causal): "
@@ -170,13 +173,16 @@ class Shared:
     def __init__(self, shape: LayerShape, config: runner.RunConfig, platform: str):
         self.shape, self.config, self.platform = shape, config, platform
         self.x, self.dy = _draw(config.seed, (shape.B, shape.T, shape.hidden), DTYPES[config.dtype])
+        # The numerics check runs on the first CHECK_TOKENS tokens of the first batch row: the
+        # same parameters and code, at a fraction of the compile and run time of the full size.
+        self.check_x, self.check_dy = self.x[:1, :CHECK_TOKENS], self.dy[:1, :CHECK_TOKENS]
         self.checked: dict[str, dict] = {}
         self._yardstick = None
 
     @property
     def yardstick(self) -> float:
         if self._yardstick is None:
-            self._yardstick = layer_checks.plain_low_precision_error(self.shape, self.x, self.dy,
+            self._yardstick = layer_checks.plain_low_precision_error(self.shape, self.check_x, self.check_dy,
                                                                      self.config.seed + 1)
         return self._yardstick
 
@@ -187,7 +193,7 @@ class Shared:
     def check(self, model: layer_models.Model, variables) -> dict:
         """A bf16 (non-FP8) row against its float32 reference; kept for an FP8 twin."""
         name, shape = model.variant.name, self.shape
-        got = _outputs(model, variables, self.x, self.dy)
+        got = _outputs(model, variables, self.check_x, self.check_dy)
         if model.variant.family == "flax_mha":
             run = layer_checks.flax_reference(shape.hidden, shape.ffn, shape.heads)
             mapping, label = (lambda p: layer_checks.to_flax(name, p)), "the guide's plain Flax layer, float32"
@@ -196,7 +202,8 @@ class Shared:
             mapping = lambda p: layer_checks.to_canonical(name, p, shape)
             label = "plain-JAX float32 layer (einsum attention)"
         entry = dict(params=variables["params"], outputs=got, mapping=mapping, label=label)
-        entry["reference"] = layer_checks.reference_outputs(run, mapping(variables["params"]), self.x, self.dy)
+        entry["reference"] = layer_checks.reference_outputs(run, mapping(variables["params"]), self.check_x,
+                                                              self.check_dy)
         if any(v.bf16_twin == name for v in layer_models.VARIANTS.values()):
             self.checked[name] = entry
         return entry
@@ -232,7 +239,7 @@ def _check(model: layer_models.Model, variables, shared: Shared) -> dict:
         return _verdict(layer_checks.compare((y, entry["mapping"](dp), dx), entry["reference"]), tolerance,
                         entry["label"])
     twin = shared.twin(variant.bf16_twin)
-    got = _outputs(model, variables, shared.x, shared.dy)
+    got = _outputs(model, variables, shared.check_x, shared.check_dy)
     f32 = layer_checks.compare((got[0], twin["mapping"](got[1]), got[2]), twin["reference"])["error"]
     return _verdict(layer_checks.compare(got, twin["outputs"]), layer_checks.FP8_TOLERANCE,
                     f"{variant.bf16_twin} ({shared.config.dtype}) on the same parameters", f32_error=f32)
