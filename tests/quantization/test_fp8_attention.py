@@ -5,7 +5,10 @@ v and dO with the stored scales, hand cuDNN the inverse scales, dequantise o and
 return the updated state as the state's cotangent) with the cuDNN calls replaced by an
 emulation written here from cudnn-frontend's SDPA FP8 graphs: f32 attention on the
 dequantised inputs, the kernels' amaxes, outputs quantised with their scales; optionally P and
-dS quantised where cuDNN quantises them. Expected values are computed independently here.
+dS quantised where cuDNN quantises them (the forward's P as its flash kernel does, unnormalised:
+cudnn-frontend test/python/sdpa/fp8_ref.py). Expected values are computed independently here.
+Also pinned on CPU: the fixed scale_s and the backward's operand order (XLA_BWD_KEYS), the two
+causes of the H200 failure found by reading jax / XLA / cudnn-frontend.
 
 GPU (`@pytest.mark.gpu`, B=2 T=256 N=4 H=128, causal and not): real cuDNN FP8 against the
 float32 attention of the unquantised inputs. Its relative error is held to at most 1.5x
@@ -50,15 +53,23 @@ def qdq(x, scale):
 
 
 def attention_math(q, k, v, scale, causal, p_scale=None):
-    """(o [B,T,N,H], P [B,N,T,S], stats [B,N,T]) in float32; P quantised with p_scale if given."""
+    """(o [B,T,N,H], P [B,N,T,S], stats [B,N,T]) in float32.
+
+    With p_scale, P v is computed as cuDNN's FP8 flash forward does (cudnn-frontend
+    test/python/sdpa/fp8_ref.py compute_ref): the UNNORMALISED probabilities exp(logit - row
+    max), in (0, 1] with max 1 in every row, are quantised with p_scale, and P v is divided by
+    their (unquantised) row sum afterwards. So p_scale > fp8_max saturates them."""
     logits = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
     if causal:
         T, S = logits.shape[-2:]
         logits = jnp.where(jnp.tril(jnp.ones((T, S), bool)), logits, -1e30)
     stats = jax.nn.logsumexp(logits, axis=-1)
     p = jnp.exp(logits - stats[..., None])
-    p_used = p if p_scale is None else qdq(p, p_scale)
-    return jnp.einsum("bnts,bsnh->btnh", p_used, v), p, stats
+    if p_scale is None:
+        return jnp.einsum("bnts,bsnh->btnh", p, v), p, stats
+    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    o = jnp.einsum("bnts,bsnh->btnh", qdq(e, p_scale), v)
+    return o / jnp.sum(e, axis=-1).transpose(0, 2, 1)[..., None], p, stats
 
 
 def grads_math(q, k, v, o, do, p, scale, p_scale=None, ds_scale=None):
@@ -231,6 +242,87 @@ def test_zero_cotangent_keeps_the_do_scale():
     _, (_, _, _, new) = _call(q, k, v, state, jnp.zeros_like(g), causal=True)
     assert float(new["do"][0][0]) == 3.0
     assert float(new["q"][0][0]) != 1.0
+
+
+def test_softmax_scale_is_fixed_at_fp8_max():
+    """cuDNN quantises exp(logit - row max) <= 1: scale_s = 448 whatever state["s"] holds."""
+    state = {t: (jnp.full((1,), 1000.0 + i), jnp.zeros((4,))) for i, t in enumerate(fa8.TENSORS)}
+    meta = fa8._meta(fa8._scales(state), Format.E4M3)
+    np.testing.assert_array_equal(meta["scale_s"], np.full((1, 1, 1, 1), TOP, np.float32))
+    np.testing.assert_allclose(meta["descale_s"], np.full((1, 1, 1, 1), 1 / TOP), rtol=1e-7)
+    for name, t in (("scale_o", "o"), ("scale_dP", "dp"), ("scale_dQ", "dq")):
+        np.testing.assert_array_equal(meta[name].reshape(1), state[t][0])
+    for name, t in (("descale_q", "q"), ("descale_o", "o"), ("descale_dO", "do"), ("descale_dP", "dp")):
+        np.testing.assert_allclose(meta[name].reshape(1), 1 / state[t][0], rtol=1e-7)
+
+
+@functools.partial(jax.jit, static_argnames="causal")
+def _f32_attention(q, k, v, causal):
+    return attention_math(q, k, v, 0.25, causal)[0]
+
+
+def test_calibrated_softmax_scale_would_saturate_the_flash_kernel():
+    """The H200's failure, emulated: after one calibrating step state["s"] holds 448 / amax_s
+    (amax of the normalised softmax, about 0.3 here), which saturates the unnormalised P the
+    flash kernel quantises (error about 0.5, as measured); fp8_attention passes 448 instead."""
+    q, k, v, g = _inputs((1, 256, 2, 16), jnp.float32)
+    want = _f32_attention(q, k, v, False)
+    state = _call(q, k, v, fa8.init_state(4), g, causal=False, kern=FULL)[1][3]
+    out = _call(q, k, v, state, g, causal=False, kern=FULL)[0]
+    assert float(state["s"][0][0]) > 2 * TOP  # 448 / amax_s, amax_s < 0.5
+    err = _rel(out, want)
+    assert err < 0.1, err
+    scales = fa8._scales(state)
+    meta = dict(fa8._meta(scales, Format.E4M3), scale_s=scales["s"].reshape(1, 1, 1, 1),
+                descale_s=(1 / scales["s"]).reshape(1, 1, 1, 1))
+    q8, k8, v8 = (quant(x, scales[t][0]) for x, t in ((q, "q"), (k, "k"), (v, "v")))
+    o8 = emul_forward(q8, k8, v8, meta, scale=0.25, causal=False, is_training=False,
+                      intermediates=True)[0]
+    saturated = _rel(dequant(o8, 1 / scales["o"][0]), want)
+    assert saturated > 0.3, saturated
+
+
+# XLA's cuDNN FP8 backward graph numbers its tensors in this order (cuda_dnn.cc,
+# GetCudnnFlashAttentionBackwardF8OperationGraph: next_uid() for Q, K, V, O, dO, Stats, then
+# the set_uid calls) and CudnnGraph::PackOperands binds the custom call's operands to those uids
+# by position. Written out here independently of flashmesh's XLA_BWD_KEYS.
+XLA_BWD_UIDS = ("q", "k", "v", "o", "dO", "stats", "descale_q", "descale_k", "descale_v",
+                "descale_s", "descale_o", "descale_dO", "descale_dP", "scale_s", "scale_dP",
+                "scale_dQ", "scale_dK", "scale_dV")
+
+
+def test_backward_scales_reach_the_custom_call_in_xla_graph_order():
+    """Lowers flashmesh's cuDNN backward for CUDA (no GPU needed) and reads the operand order
+    of the __cudnn$fmhaSoftmaxBackwardF8 custom call."""
+    import re
+    from jax._src.cudnn import fused_attention_stablehlo as jfa
+    assert tuple(jfa.fp8_params_keys_bwd) == fa8.JAX_BWD_KEYS  # the jax analysed
+    x8 = jax.ShapeDtypeStruct((1, 128, 1, 128), E4M3)
+    one = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)
+    names = ("q", "k", "v", "o", "dO", "stats") + tuple(sorted(fa8.JAX_BWD_KEYS))
+
+    def bwd(*args):
+        arrays, meta = args[:6], dict(zip(names[6:], args[6:]))
+        return fa8.CUDNN_KERNELS.backward(*arrays, meta, scale=0.1, causal=False)
+
+    shapes = (x8,) * 5 + (jax.ShapeDtypeStruct((1, 1, 128), jnp.float32),) + (one,) * 12
+    text = jax.jit(bwd).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    call = re.search(r"custom_call @__cudnn\$fmhaSoftmaxBackwardF8\(([^)]*)\)", text)
+    assert call is not None, text
+    order = tuple(names[int(a.strip()[len("%arg"):])] for a in call.group(1).split(","))
+    assert order == XLA_BWD_UIDS, order
+
+
+def test_operand_order_check():
+    from jax._src.cudnn import fused_attention_stablehlo as jfa
+    fa8._check_jax_operand_order(jfa)  # the installed jax is the one analysed
+
+    class OtherJax:
+        fp8_params_keys_fwd = list(fa8.JAX_FWD_KEYS)
+        fp8_params_keys_bwd = list(fa8.XLA_BWD_KEYS)
+
+    with pytest.raises(NotImplementedError, match="re-check"):
+        fa8._check_jax_operand_order(OtherJax)
 
 
 class _Attention(nn.Module):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import flashmesh.te as te
+from flax import linen as nn
 from flashmesh.nn import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP
 from flashmesh.quantization import (accumulate_gradients, combine_by_max, dense, update_fp8_metas)
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
@@ -116,11 +117,76 @@ def test_unused_state_is_kept_not_wiped():
                  variables["fp8_metas"])
 
 
-class _Twice(DenseGeneral):
-    """One DenseGeneral applied to two inputs (shared weights and shared FP8 state)."""
+class _Twice(nn.Module):
+    """One DenseGeneral applied to two inputs in one apply (shared weights and FP8 state)."""
 
+    @nn.compact
     def __call__(self, pair):
-        return super().__call__(pair[0]) + super().__call__(pair[1])
+        dense = DenseGeneral(features=8, use_bias=False, name="shared")
+        return jnp.sum(dense(pair[0])) + jnp.sum(dense(pair[1]))
+
+
+def test_a_module_used_twice_in_one_apply_combines_by_max_without_help():
+    small, large = _x((2, 4, 16), seed=1), 10.0 * _x((2, 4, 16), seed=2)
+    module = _Twice()
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), (small, large))
+        grads = jax.jit(jax.grad(lambda v: module.apply(v, (small, large))))(variables)
+    m = update_fp8_metas(variables, grads)["fp8_metas"]["shared"]
+    amax = float(jnp.abs(large).max())
+    np.testing.assert_allclose(m["x_amax_history"], [0, 0, 0, amax], rtol=1e-6)
+    np.testing.assert_allclose(m["x_scale"], [448.0 / amax], rtol=1e-6)
+
+
+def test_one_jitted_function_follows_autocast():
+    """The recipe is part of jit's cache key: the same jitted function called inside and
+    outside autocast (or under another recipe) is not the other's program."""
+    x, module = _x(), DenseGeneral(features=8)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), x)
+    f = jax.jit(lambda v, x: module.apply(v, x))
+    with te.autocast(enabled=True, recipe=R):
+        y8 = f(variables, x)
+    y = f(variables, x)
+    np.testing.assert_allclose(y, module.apply(variables, x), rtol=1e-6)
+    assert not np.allclose(y8, y)
+    with te.autocast(enabled=True, recipe=DelayedScaling(fp8_format=Format.E4M3, amax_history_len=4)):
+        g8 = jax.jit(jax.grad(lambda v: jnp.sum(f(v, x) ** 2)))(variables)
+    # under E4M3 the gradient's state uses e4m3's maximum, 448, not e5m2's
+    grad_amax = float(update_fp8_metas(variables, g8)["fp8_metas"]["grad_amax_history"][-1])
+    np.testing.assert_allclose(update_fp8_metas(variables, g8)["fp8_metas"]["grad_scale"], [448.0 / grad_amax],
+                               rtol=1e-6)
+
+
+def test_forward_quantises_with_the_stored_scale():
+    """A stored scale far too large clips: the forward uses the state, not the current amax."""
+    x, module = _x(), DenseGeneral(features=8, use_bias=False)
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), x)
+        metas = dict(variables["fp8_metas"], x_scale=jnp.full((1,), 1e4, jnp.float32))
+        y = module.apply(dict(variables, fp8_metas=metas), x)
+    clipped = jnp.clip(x * 1e4, -448.0, 448.0) / 1e4
+    expected = clipped @ variables["params"]["kernel"].astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_allclose(y, expected, rtol=0.1, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_gradients_are_exactly_those_of_the_dequantised_product(dtype):
+    """dx and dw equal the dequantised operands' products (scales applied exactly); f16 does not
+    overflow (the raw FP8 products exceed its range)."""
+    x, w = _x((32, 64)).astype(dtype), _x((64, 16), seed=1)
+    g = _x((32, 16), seed=2).astype(dtype)
+    s = {"x": 30.0, "kernel": 40.0, "grad": 2000.0}
+    state = {q: (jnp.full((1,), v, jnp.float32), jnp.zeros(4, jnp.float32)) for q, v in s.items()}
+    y, vjp = jax.vjp(lambda x, w: dense(x, w, state, R), x, w)
+    dx, dw = vjp(g)
+    deq = lambda t, sc, f8: jnp.clip(t.astype(jnp.float32) * sc, -float(jnp.finfo(f8).max),
+                                     float(jnp.finfo(f8).max)).astype(f8).astype(jnp.float32) / sc
+    xd, wd, gd = deq(x, 30.0, jnp.float8_e4m3fn), deq(w, 40.0, jnp.float8_e4m3fn), deq(g, 2000.0, jnp.float8_e5m2)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in ((y, xd @ wd), (dx, gd @ wd.T), (dw, xd.T @ gd)):
+        assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
+        np.testing.assert_allclose(got.astype(jnp.float32), want, **tol)
 
 
 def test_reuse_combines_by_max_not_sum():

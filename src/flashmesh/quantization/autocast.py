@@ -10,21 +10,26 @@ The recipe must be current both where a module is initialised (so `init` creates
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import jax
+from jax._src import config as jax_config
 
 from flashmesh.quantization.recipe import (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling,
                                            NVFP4BlockScaling, Recipe)
 
 __all__ = ["autocast", "active_recipe", "check_supported"]
 
-_state = threading.local()
+# A JAX config state included in jit's cache key: a function jitted once and called inside and
+# outside autocast (or under two recipes) is traced once per recipe, never reusing the other's
+# program. (Recipes are frozen dataclasses, so hashable.) jax has no public API for this yet.
+_RECIPE = jax_config.string_or_object_state(
+    "flashmesh_fp8_recipe", None, "the recipe of the innermost enabled flashmesh FP8 autocast",
+    include_in_jit_key=True, include_in_trace_context=True)
 
 
 def active_recipe() -> DelayedScaling | Float8CurrentScaling | None:
     """The recipe of the innermost enabled `autocast`, or None outside FP8 autocast."""
-    return getattr(_state, "recipe", None)
+    return _RECIPE.value
 
 
 def _compute_capability() -> float | None:
@@ -77,9 +82,5 @@ def autocast(enabled: bool = False, recipe: Recipe | None = None):
     if enabled:
         recipe = DelayedScaling() if recipe is None else recipe
         check_supported(recipe)
-    previous = active_recipe()
-    _state.recipe = recipe if enabled else None
-    try:
+    with _RECIPE(recipe if enabled else None):
         yield
-    finally:
-        _state.recipe = previous

@@ -7,8 +7,10 @@ the uses, and a sum of scales or amax histories means nothing. Viewed in these d
 uses combine as the state one pass over all of them would produce: amax histories by
 elementwise max and scales (fp8_max / amax) by min.
 
-The modules view their state this way where they read it; to make every use in a whole loss
-function combine, view the variables once at its top with `combine_by_max(variables)`.
+The modules view their state this way where they read it, once per `apply` (a module applied
+twice in one apply combines by max); uses in separate applies (a loop or `scan` around apply)
+still meet at the float32 variable and add, so view the variables once at the top of such a
+loss with `combine_by_max(variables)`.
 (Flax's `fp8_ops.fp32_max_grad` is the same idea for its own state; a min dtype is needed here
 because TE's stored scale is the inverse of Flax's.)
 """

@@ -42,10 +42,22 @@ def gemm_state(module, postfix: str = ""):
     Returns (None, None) outside FP8 autocast, (recipe, None) for current scaling, and for
     DelayedScaling (recipe, {"x": (scale, history), "kernel": ..., "grad": ...}) read from
     (or, in `init`, created in) `fp8_metas`, viewed in the combining dtypes so that several
-    uses of the state combine by max / min (flashmesh.quantization.combine)."""
+    uses of the state combine by max / min (flashmesh.quantization.combine).
+
+    Uses within one `apply` share the view. Uses across separate applies or iterations of a
+    loop around `apply` (a `scan` over microbatches, `nn.scan` with broadcast state) each
+    read the float32 variable, and autodiff adds their cotangents there: start such a loss
+    with `combine_by_max(variables)` (or sum microbatch gradients by `accumulate_gradients`)."""
     recipe = active_recipe()
     if recipe is None or not isinstance(recipe, DelayedScaling):
         return recipe, None
+    # One view per variable per apply: a module called twice in one apply (shared weights)
+    # then uses one combining-dtype value, so its two uses combine by max instead of meeting
+    # at the float32 variable, where autodiff would add them.
+    views = module.scope.root.__dict__.setdefault("_flashmesh_fp8_views", {})
+    key = (tuple(module.scope.path), postfix)
+    if key in views:
+        return recipe, views[key]
     first = f"{QUANTIZERS[0]}{postfix}_scale"
     if not module.is_initializing() and not module.has_variable(COLLECTION, first):
         raise ValueError(
@@ -63,6 +75,7 @@ def gemm_state(module, postfix: str = ""):
                              f"amax_history_len={length}: initialise under the same recipe")
         state[q] = (combine.to_combining(scale, combine.fmin32),
                     combine.to_combining(history, combine.fmax32))
+    views[key] = state
     return recipe, state
 
 
