@@ -258,8 +258,8 @@ def test_remat_gives_the_same_state_and_grads():
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_sharded_data_parallel_step_equals_one_device(axis_type):
-    """Under jit over a data-parallel mesh the amaxes are global, so the state (and the step)
-    equals the unsharded one, with sharding in types (Explicit) or not (Auto)."""
+    """Under jit over a data-parallel mesh the amaxes are global, so the FP8 state after two
+    steps equals the unsharded one, with sharding in types (Explicit) or not (Auto)."""
     mesh = jax.make_mesh((4,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
     module = DenseGeneral(features=8)
     x, dy = _x((8, 4, 16)), _x((8, 4, 8), seed=2)
