@@ -1,0 +1,435 @@
+"""Planning for the Pallas Mosaic GPU (Hopper) attention kernels: pure Python, no kernel code.
+
+What the kernels read from here:
+* `kv_ranges`: per query tile, the key tiles [lo, hi) to visit and inside them the run
+  [full_lo, full_hi) that needs no mask arithmetic (forward pass, dQ).
+* `q_ranges`: the transposed map, per key tile (KV-stationary backward pass: dK, dV).
+* `band_kv_range`: `kv_ranges` in closed form for one tile index, traced or not, so a kernel
+  can compute its range from `lax.axis_index` instead of reading a table.
+* `q_tile_order`, `kv_tile_order`: longest-first (LPT) tile orders for persistent loops.
+* `BlockSizes`, `default_for`: the tile configuration, from a table that is data
+  (`pallas_mosaic_gpu_configs.json`) or, where no entry matches, a documented heuristic.
+* `split_kv`, `split_ranges`: KV splits (flash-decoding) when too few tiles fill the chip.
+
+Tile classes come from `masks.block_map`, the map the `chunked` backend schedules from, so the
+two backends skip, mask and run unmasked exactly the same tiles. (Follows FA3's
+`get_n_block_min_max` and tokamax's per-tile [lb, ub); research/kernels.md §2.1, §2.5.)
+
+Shape legend: B batch, T query length, S key length, nq = ceil(T / block_q) query tiles,
+nk = ceil(S / block_kv) key tiles. A tail tile (T or S not a multiple of the block) is a
+whole tile: its query rows past T are dropped by the caller, its key columns past S are masked,
+so a key tile holding columns past S is never FULL.
+
+Example:
+    >>> spec = AttentionSpec(1, 256, 256, 1, 1, 64, 64, "bfloat16", 0.125, window=(-1, 0))
+    >>> r = kv_ranges(spec, 128, 64)
+    >>> r.lo.tolist(), r.full_lo.tolist(), r.full_hi.tolist(), r.hi.tolist()
+    ([0, 0], [0, 0], [0, 2], [2, 4])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashmesh.attention import masks
+from flashmesh.attention.spec import AttentionInputs, AttentionSpec
+
+CONFIGS_PATH = pathlib.Path(__file__).with_name("pallas_mosaic_gpu_configs.json")
+SMEM_BYTES = 227 * 1024  # dynamic shared memory one block may use on H100/H200
+REGISTERS_PER_SM = 65536  # 32-bit registers, shared by every thread of a block
+WARPGROUP = 128  # threads
+WGMMA_M = 64  # rows of one warpgroup's WGMMA
+SWIZZLE_BYTES = 128  # Mosaic's swizzle: a WGMMA K extent is a multiple of 128 B
+_NO_ARRAYS = AttentionInputs(q=None, k=None, v=None)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _xp(*xs):
+    return jnp if any(isinstance(x, jax.Array) and not isinstance(x, np.ndarray) for x in xs) else np
+
+
+class TileRanges(NamedTuple):
+    """Per tile of one axis, the tiles of the other axis it meets; int32 [n] (static) or
+    [B|1, n] (per batch row, from a traced block map). A pytree, so it passes through jit.
+
+    lo <= full_lo <= full_hi <= hi. Every tile with a visible element lies in [lo, hi); every
+    tile of [full_lo, full_hi) has all its elements visible (no mask arithmetic); the rest of
+    [lo, hi) needs the mask. A tile that sees nothing has lo == hi (all four 0); one with no
+    FULL tile has full_lo == full_hi == lo. For a static map (no segments, implicit positions)
+    every tile in [lo, hi) is non-empty; from a traced map the tiles outside the FULL run may
+    include EMPTY ones (the mask hides them; a kernel may skip them by reading the map).
+    """
+
+    lo: np.ndarray | jax.Array
+    full_lo: np.ndarray | jax.Array
+    full_hi: np.ndarray | jax.Array
+    hi: np.ndarray | jax.Array
+
+    @property
+    def count(self):
+        """Tiles to visit, hi - lo: the work of each tile."""
+        return self.hi - self.lo
+
+
+def ranges_from_block_map(classes) -> TileRanges:
+    """Ranges along the last axis of a block map (masks.EMPTY/PARTIAL/FULL) [..., n, m]; numpy
+    in, numpy out, jax in (usable under jit), jax out. The FULL run is the first run of
+    consecutive FULL tiles (for band masks the only one)."""
+    xp = _xp(classes)
+    m = classes.shape[-1]
+    idx = xp.arange(m, dtype=np.int32).reshape((1,) * (classes.ndim - 1) + (m,))
+    seen, full = classes != masks.EMPTY, classes == masks.FULL
+    any_seen, any_full = seen.any(axis=-1), full.any(axis=-1)
+    lo = xp.where(any_seen, xp.argmax(seen, axis=-1), 0).astype(np.int32)
+    hi = xp.where(any_seen, m - xp.argmax(seen[..., ::-1], axis=-1), 0).astype(np.int32)
+    f_lo = xp.where(any_full, xp.argmax(full, axis=-1), lo).astype(np.int32)
+    after = ~full & (idx >= f_lo[..., None])  # the first non-FULL tile after the run starts
+    f_hi = xp.where(after.any(axis=-1), xp.argmax(after, axis=-1), m).astype(np.int32)
+    f_hi = xp.where(any_full, f_hi, lo).astype(np.int32)
+    return TileRanges(lo, f_lo, f_hi, hi)
+
+
+def _check_blocks(block_q, block_kv):
+    for name, b in (("block_q", block_q), ("block_kv", block_kv)):
+        if not isinstance(b, int) or b < 1:
+            raise ValueError(f"{name}={b!r} must be a positive int")
+
+
+def _ranges(spec: AttentionSpec, block_q: int, block_kv: int, inputs, transpose: bool) -> TileRanges:
+    _check_blocks(block_q, block_kv)
+    if inputs is not None:
+        classes = masks.block_map(spec, inputs, block_q, block_kv)
+        return ranges_from_block_map(classes.swapaxes(-1, -2) if transpose else classes)
+    band = dataclasses.replace(spec, segments=None, max_segments=None)
+    classes = masks.block_map(band, _NO_ARRAYS, block_q, block_kv)[0]
+    r = ranges_from_block_map(classes.T if transpose else classes)
+    if spec.segments is None:
+        return r
+    if spec.segments == "padding" and not spec.bottom_right:
+        # Positions stay implicit; padding only hides more, so the band bounds [lo, hi), but
+        # which tiles are FULL depends on the lengths.
+        return TileRanges(r.lo, r.lo, r.lo, r.hi)
+    # Packed segments, or bottom-right padding: positions are data, nothing is known statically.
+    n, m = classes.shape[::-1] if transpose else classes.shape
+    zero = np.zeros(n, np.int32)
+    return TileRanges(zero, zero, zero, np.full(n, m, np.int32))
+
+
+def kv_ranges(spec: AttentionSpec, block_q: int, block_kv: int,
+              inputs: AttentionInputs | None = None) -> TileRanges:
+    """Per query tile, the key tiles it must visit (see `TileRanges`).
+
+    spec: the call; only q_len, kv_len, window, bottom_right and segments matter.
+    inputs: None for the static ranges, [nq] numpy, exact for calls without segments or
+      explicit positions (causal and windows in both alignments, T != S, tails). With segments
+      they are a bound: the band's [lo, hi) for padding with implicit positions, everything
+      ([0, nk), no FULL tile) for packed segments or bottom-right padding. Pass the call's
+      inputs to get the per-batch ranges [B|1, nq] of its block map instead: jax arrays under
+      jit when segments or positions are data (the kernel reads them at run time), numpy else.
+    Per-warpgroup ranges (research §4 #1) are `kv_ranges(spec, rows_per_wg, block_kv)`: a
+    warpgroup's range lies inside its tile's.
+    """
+    return _ranges(spec, block_q, block_kv, inputs, transpose=False)
+
+
+def q_ranges(spec: AttentionSpec, block_q: int, block_kv: int,
+             inputs: AttentionInputs | None = None) -> TileRanges:
+    """Per key tile, the query tiles it meets ([nk] or [B|1, nk]): the KV-stationary backward
+    pass's loop. The same (query tile, key tile) pairs and FULL pairs as `kv_ranges`.
+
+    A FULL pair may hold query rows past T (the last query tile): the dK/dV kernel must make
+    them contribute nothing, e.g. by loading q, dO, lse and delta zero-filled past T (then
+    dS = P * (dP - delta) = 0 and dO = 0 there), as the chunked backend's padding does.
+    """
+    return _ranges(spec, block_q, block_kv, inputs, transpose=True)
+
+
+def band_kv_range(q_tile, *, q_len: int, kv_len: int, window: tuple[int, int],
+                  diagonal_offset: int, block_q: int, block_kv: int) -> TileRanges:
+    """`kv_ranges` of query tile(s) `q_tile` (int, numpy or traced int32) in closed form, for a
+    band mask: query i (position i + diagonal_offset) sees key j iff 0 <= j < kv_len and
+    -right <= i + diagonal_offset - j <= left (a side of -1 is unbounded).
+
+    The keys a tile sees form one interval: [first - left, last + right] clipped to [0, S), with
+    first/last its first/last real query's position. A key tile is FULL iff all its keys lie in
+    [last - left, first + right] and it holds no column past S.
+    """
+    xp = _xp(q_tile)
+    left, right = window
+    q_tile = xp.asarray(q_tile)
+    first = q_tile * block_q + diagonal_offset
+    last = xp.minimum(q_tile * block_q + block_q, q_len) - 1 + diagonal_offset
+    j_lo = xp.maximum(first - left, 0) if left >= 0 else xp.zeros_like(first)
+    j_hi = xp.minimum(last + right, kv_len - 1) if right >= 0 else xp.full_like(first, kv_len - 1)
+    seen = (j_lo <= j_hi) & (q_tile * block_q < q_len)
+    lo, hi = j_lo // block_kv, j_hi // block_kv + 1
+    f_lo = xp.maximum(-((left - last) // block_kv), 0) if left >= 0 else xp.zeros_like(first)
+    f_hi = xp.full_like(first, kv_len // block_kv)
+    if right >= 0:
+        f_hi = xp.minimum((first + right + 1) // block_kv, f_hi)
+    has_full = seen & (f_lo < f_hi)
+    zero = xp.zeros_like(first)
+    lo, hi = xp.where(seen, lo, zero), xp.where(seen, hi, zero)
+    f_lo, f_hi = xp.where(has_full, f_lo, lo), xp.where(has_full, f_hi, lo)
+    return TileRanges(*(x.astype(np.int32) for x in (lo, f_lo, f_hi, hi)))
+
+
+def _lpt(work):
+    xp = _xp(work)
+    if xp is np:
+        return np.argsort(-work, axis=-1, kind="stable").astype(np.int32)
+    return jnp.argsort(-work, axis=-1, stable=True).astype(jnp.int32)
+
+
+def q_tile_order(ranges: TileRanges):
+    """Query tiles longest first (LPT: largest kv_ranges count first, ties in index order),
+    [nq] or [B|1, nq]: a persistent forward kernel that takes tiles in this order starts the
+    long causal rows first, so the short ones fill the last wave (FA3's scheduler; tokamax's
+    `qi = num_q_tiles - 1 - qi`, which it equals for causal T == S)."""
+    return _lpt(ranges.count)
+
+
+def kv_tile_order(ranges: TileRanges):
+    """Key tiles longest first, from `q_ranges`: the backward pass's analogue of
+    `q_tile_order` (FA3's `SingleTileBwdLPTScheduler`)."""
+    return _lpt(ranges.count)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """The forward kernel's tile configuration (FA3/tokamax structure: compute warpgroups
+    plus one memory warpgroup that streams K and V by TMA).
+
+    block_q: query rows per tile (one CTA; the unit of `kv_ranges`), shared by num_compute_wgs
+      warpgroups of block_q // num_compute_wgs rows, each a multiple of WGMMA's M = 64.
+    block_kv: keys per step: the N of S = Q Kᵀ (a multiple of 8, at most 256) and the K extent
+      of P·V, a multiple of 128 B of the dtype (64 for bf16; `validate_for` checks it).
+    num_stages: K/V buffers in shared memory (>= 1).
+    num_compute_wgs: compute warpgroups, 1 to 3.
+    compute_registers, memory_registers: setmaxnreg per thread of a compute / the memory
+      warpgroup (multiples of 8 in [24, 256]); None: 232/40 up to 2 compute warpgroups, 160/32
+      with 3 (tokamax, FA3). All warpgroups together get at most 65536 registers.
+    """
+
+    block_q: int = 128
+    block_kv: int = 128
+    num_stages: int = 2
+    num_compute_wgs: int = 2
+    compute_registers: int | None = None
+    memory_registers: int | None = None
+
+    def __post_init__(self):
+        def check(name, ok, expected):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not ok(value):
+                raise ValueError(f"BlockSizes.{name}={value!r} must be {expected}")
+
+        check("num_compute_wgs", lambda w: 1 <= w <= 3, "1, 2 or 3")
+        rows = WGMMA_M * self.num_compute_wgs
+        check("block_q", lambda b: b > 0 and b % rows == 0,
+              f"a positive multiple of 64 * num_compute_wgs = {rows}")
+        check("block_kv", lambda b: 0 < b <= 256 and b % 8 == 0, "a multiple of 8 in [8, 256]")
+        check("num_stages", lambda s: s >= 1, ">= 1")
+        compute, memory = (232, 40) if self.num_compute_wgs <= 2 else (160, 32)
+        if self.compute_registers is None:
+            object.__setattr__(self, "compute_registers", compute)
+        if self.memory_registers is None:
+            object.__setattr__(self, "memory_registers", memory)
+        for name in ("compute_registers", "memory_registers"):
+            check(name, lambda r: 24 <= r <= 256 and r % 8 == 0, "a multiple of 8 in [24, 256]")
+        total = (self.compute_registers * self.num_compute_wgs + self.memory_registers) * WARPGROUP
+        if total > REGISTERS_PER_SM:
+            raise ValueError(
+                f"BlockSizes.compute_registers={self.compute_registers} * num_compute_wgs="
+                f"{self.num_compute_wgs} + memory_registers={self.memory_registers} must be at "
+                f"most {REGISTERS_PER_SM // WARPGROUP} (registers per thread of an SM), got "
+                f"{total // WARPGROUP}")
+
+    @property
+    def rows_per_wg(self) -> int:
+        return self.block_q // self.num_compute_wgs
+
+    def smem_bytes(self, spec: AttentionSpec) -> int:
+        """Shared memory the tiles need: Q plus num_stages K and V buffers (O's epilogue
+        aliases Q, as tokamax's RefUnion does)."""
+        size = jnp.dtype(spec.dtype).itemsize
+        return size * (self.block_q * spec.qk_dim
+                       + self.num_stages * self.block_kv * (spec.qk_dim + spec.v_dim))
+
+    def validate_for(self, spec: AttentionSpec) -> "BlockSizes":
+        """self, checked against a call: ValueError for a tile that cannot work with its dtype
+        and head dims, NotImplementedError for head dims no tile can take."""
+        if spec.v_dim > 256 or spec.v_dim % 8:
+            raise NotImplementedError(f"v_dim={spec.v_dim}: the O accumulator is WGMMA's N, a "
+                                      "multiple of 8 of at most 256")
+        size = jnp.dtype(spec.dtype).itemsize
+        step = SWIZZLE_BYTES // size
+        if self.block_kv % step:
+            raise ValueError(f"BlockSizes.block_kv={self.block_kv} must be a multiple of {step} "
+                             f"for {spec.dtype} (the K extent of P·V under the 128-byte swizzle)")
+        acc = self.rows_per_wg * (self.block_kv + spec.v_dim) // WARPGROUP
+        if acc > self.compute_registers:
+            raise ValueError(
+                f"BlockSizes: the S and O accumulators need {acc} registers per thread (rows_per_wg="
+                f"{self.rows_per_wg} * (block_kv={self.block_kv} + v_dim={spec.v_dim}) / 128), "
+                f"more than compute_registers={self.compute_registers}")
+        if (smem := self.smem_bytes(spec)) > SMEM_BYTES:
+            raise ValueError(
+                f"BlockSizes(block_q={self.block_q}, block_kv={self.block_kv}, num_stages="
+                f"{self.num_stages}) needs {smem} bytes of shared memory for qk_dim={spec.qk_dim}, "
+                f"v_dim={spec.v_dim}, {spec.dtype}; at most {SMEM_BYTES}")
+        return self
+
+
+# -- the tuned table --------------------------------------------------------------------------
+
+_KEYS = ("qk_dim", "v_dim", "mask", "max_window", "min_len", "max_len", "group", "dtypes")
+
+
+def mask_kind(spec: AttentionSpec) -> str:
+    """The table's mask key: "none", "causal" (window (-1, 0)) or "window" (any other bound)."""
+    if not spec.has_window:
+        return "none"
+    return "causal" if spec.window == (-1, 0) else "window"
+
+
+def _matches(key: dict, spec: AttentionSpec) -> bool:
+    left, right = spec.window
+    width = left + right + 1 if min(left, right) >= 0 else None
+    length = max(spec.q_len, spec.kv_len)
+    return all((
+        key.get("qk_dim", spec.qk_dim) == spec.qk_dim,
+        key.get("v_dim", spec.v_dim) == spec.v_dim,
+        key.get("mask", mask_kind(spec)) == mask_kind(spec),
+        "max_window" not in key or (width is not None and width <= key["max_window"]),
+        key.get("min_len", 0) <= length <= key.get("max_len", math.inf),
+        key.get("group", spec.group_size) == spec.group_size,
+        spec.dtype in key.get("dtypes", (spec.dtype,)),
+    ))
+
+
+@functools.cache
+def load_table(path: str = str(CONFIGS_PATH)) -> dict:
+    """The table {"devices": {family: [device-kind substrings]}, "entries": [{"device",
+    "key", "config", ...}]}, each config a valid BlockSizes and no two keys equal."""
+    table = json.loads(pathlib.Path(path).read_text())
+    seen = set()
+    for i, entry in enumerate(table["entries"]):
+        if entry["device"] not in table["devices"]:
+            raise ValueError(f"entries[{i}].device={entry['device']!r} must be one of {sorted(table['devices'])}")
+        if unknown := set(entry["key"]) - set(_KEYS):
+            raise ValueError(f"entries[{i}].key has unknown fields {sorted(unknown)}; known: {_KEYS}")
+        BlockSizes(**entry["config"])
+        ident = (entry["device"], json.dumps(entry["key"], sort_keys=True))
+        if ident in seen:
+            raise ValueError(f"entries[{i}] repeats the key {ident}")
+        seen.add(ident)
+    return table
+
+
+def device_family(device_kind: str) -> str:
+    """The table's device family of a jax `device_kind` string (e.g. "NVIDIA H100 80GB HBM3")."""
+    for family, names in load_table()["devices"].items():
+        if any(name.lower() in device_kind.lower() for name in names):
+            return family
+    raise NotImplementedError(f"device_kind={device_kind!r}: the Mosaic GPU attention kernels are "
+                              "written for Hopper (sm90: H100, H200, H800, H20, GH200)")
+
+
+def matching_entry(spec: AttentionSpec, device_kind: str) -> dict | None:
+    """The table entry for a call: of the entries whose key fields all match (absent = any),
+    the one with most fields, the first in the file among equals; None if none matches."""
+    family = device_family(device_kind)
+    found = [e for e in load_table()["entries"] if e["device"] == family and _matches(e["key"], spec)]
+    return max(found, key=lambda e: len(e["key"]), default=None)
+
+
+def heuristic(spec: AttentionSpec) -> BlockSizes:
+    """The configuration when no table entry matches (tokamax's and FA3's defaults):
+    2 compute warpgroups of 64 rows (one of 64 rows when T <= 64); block_kv 128 for head dims
+    up to 128, else 64, but the 128-byte minimum of the dtype (64 bf16, 128 fp8) for windows at
+    most 256 keys wide; 2 stages, then 1, then halved block_kv while shared memory overflows."""
+    one = spec.q_len <= WGMMA_M
+    step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
+    kv = 128 if max(spec.qk_dim, spec.v_dim) <= 128 else 64
+    left, right = spec.window
+    if min(left, right) >= 0 and left + right + 1 <= 256:
+        kv = step
+    kv = max(kv, step)
+    while True:
+        for stages in (2, 1):
+            bs = BlockSizes(block_q=64 if one else 128, block_kv=kv, num_stages=stages,
+                            num_compute_wgs=1 if one else 2)
+            if bs.smem_bytes(spec) <= SMEM_BYTES:
+                return bs
+        if kv // 2 < step or (kv // 2) % step:
+            raise NotImplementedError(f"no tile fits {SMEM_BYTES} bytes of shared memory for "
+                                      f"qk_dim={spec.qk_dim}, v_dim={spec.v_dim}, {spec.dtype}")
+        kv //= 2
+
+
+def default_for(spec: AttentionSpec, device_kind: str) -> BlockSizes:
+    """The forward kernel's BlockSizes for a call on a device (jax's `device_kind`): the
+    matching entry of pallas_mosaic_gpu_configs.json (`matching_entry`), else `heuristic`;
+    validated against the call. The table's first entries are the research's untuned starting
+    points for the anchor shapes (research/kernels.md §2.1, §2.5, §5)."""
+    entry = matching_entry(spec, device_kind)
+    bs = heuristic(spec) if entry is None else BlockSizes(**entry["config"])
+    return bs.validate_for(spec)
+
+
+# -- KV splits ----------------------------------------------------------------------------------
+
+def split_kv(spec: AttentionSpec, block_sizes: BlockSizes, num_sms: int = 132) -> int:
+    """Number of KV splits (flash-decoding; each split returns its lse and XLA merges them).
+
+    Rule (FA3's `num_splits_heuristic`, research §2.1, §4 #9): with C = B * N * nq tiles, no
+    split when C >= 0.8 * num_sms. Otherwise, for s = 1 .. min(num_sms, m, 128) where m is the
+    most key tiles any query tile visits (static `kv_ranges`), skipping an s that leaves the
+    longest split as long as s - 1 did, the wave efficiency of s is w / ceil(w) with
+    w = C * s / num_sms; the answer is the smallest s within 85 % of the best efficiency.
+    """
+    if not isinstance(num_sms, int) or num_sms < 1:
+        raise ValueError(f"num_sms={num_sms!r} must be a positive int")
+    ranges = kv_ranges(spec, block_sizes.block_q, block_sizes.block_kv)
+    tiles = spec.batch * spec.num_heads * len(ranges.lo)
+    longest = int(ranges.count.max(initial=0))
+    if tiles >= 0.8 * num_sms or longest <= 1:
+        return 1
+    candidates = [s for s in range(1, min(num_sms, longest, 128) + 1)
+                  if s == 1 or _cdiv(longest, s) < _cdiv(longest, s - 1)]
+    waves = {s: tiles * s / num_sms for s in candidates}
+    eff = {s: w / math.ceil(w) for s, w in waves.items()}
+    best = max(eff.values())
+    return min(s for s in candidates if eff[s] >= 0.85 * best)
+
+
+def split_ranges(ranges: TileRanges, num_splits: int) -> TileRanges:
+    """Each tile's range cut into num_splits consecutive parts of ceil(count / num_splits)
+    tiles: arrays [num_splits, ...]; a part with nothing left is empty (all four 0), and each
+    part's FULL run is its share of the tile's."""
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r} must be a positive int")
+    xp = _xp(*ranges)
+    chunk = -(-ranges.count // num_splits)
+    s = xp.arange(num_splits, dtype=np.int32).reshape((num_splits,) + (1,) * ranges.lo.ndim)
+    lo = xp.minimum(ranges.lo[None] + s * chunk[None], ranges.hi[None])
+    hi = xp.minimum(lo + chunk[None], ranges.hi[None])
+    f_lo = xp.clip(ranges.full_lo[None], lo, hi)
+    f_hi = xp.clip(ranges.full_hi[None], lo, hi)
+    seen, has_full = lo < hi, f_lo < f_hi
+    lo, hi = xp.where(seen, lo, 0), xp.where(seen, hi, 0)
+    f_lo, f_hi = xp.where(has_full, f_lo, lo), xp.where(has_full, f_hi, lo)
+    return TileRanges(*(x.astype(np.int32) for x in (lo, f_lo, f_hi, hi)))
