@@ -3,7 +3,11 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example
+#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train
+#   Results are written straight under $OUT/benchmarks/results (as each row is measured), so a
+#   step killed by its limit, or a call killed by the device's, still brings back what it did.
+#   bench:layer at the guide's size takes ~40-80 s a row: split its rows over calls, e.g.
+#   bench:layer::flax,te_unfused,te_fused,transformer_layer,transformer_layer_fp8
 #   BENCH_ARGS: more options for every bench step, e.g. BENCH_ARGS="--iters 10 --warmup 2"
 #
 # bench:cp runs the context-parallel preset: with one GPU its emulated_ranks group (the ranks'
@@ -41,11 +45,14 @@ for step in "$@"; do
       # shards, more than JAX's default 75% pool holds.
       mem=""; [ "$preset" = cp ] && mem="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
       env ${mem:+XLA_PYTHON_CLIENT_MEM_FRACTION=$mem} timeout --signal=TERM "$limit" python3 -m flashmesh bench --preset "$preset" \
-        ${groups:+--groups "$groups"} ${impls:+--implementations "$impls"} ${BENCH_ARGS:-} --no-progress 2>&1 | tee -a "$OUT/bench.log" | tail -60 ;;
+        ${groups:+--groups "$groups"} ${impls:+--implementations "$impls"} ${BENCH_ARGS:-} --no-progress \
+        --out "$OUT/benchmarks/results" 2>&1 | tee -a "$OUT/bench.log" | tail -60 ;;
+    train)
+      timeout --signal=TERM "$limit" python3 -m flashmesh train --no-progress ${TRAIN_ARGS:-} \
+        --out "$OUT/benchmarks/results" 2>&1 | tee -a "$OUT/train.log" | tail -30 ;;
     example)
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
-tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null
 echo "=== done $(date -u +%T)"
