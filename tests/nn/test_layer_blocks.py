@@ -81,6 +81,17 @@ def test_dense_general_non_trailing_axis_and_lora():
     np.testing.assert_allclose(lora.apply({"params": params}, x), expected, **TOL)
 
 
+def test_lora_of_a_fused_projection_has_one_adapter_per_block_as_in_te():
+    x = _x((2, 8, 6))
+    lora = DenseGeneral(features=(3, 10), use_bias=False, enable_low_rank_adaptation=True,
+                        low_rank_adaptation_dim=4)
+    params = _randomise(lora.init(jax.random.key(1), x)["params"])
+    assert params["lora_a_kernel"].shape == (6, 3, 4) and params["lora_b_kernel"].shape == (3, 4, 10)
+    expected = (jnp.einsum("btd,dqf->btqf", x, params["kernel"])
+                + jnp.einsum("btd,dqr,qrf->btqf", x, params["lora_a_kernel"], params["lora_b_kernel"]))
+    np.testing.assert_allclose(lora.apply({"params": params}, x), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_bf16_input_computes_in_bf16_from_f32_params():
     x = _x(dtype=jnp.bfloat16)
     module = DenseGeneral(features=16)

@@ -97,17 +97,23 @@ class _Projection(nn.Module):
         return y
 
     def _lora(self, x, in_shape, features) -> jax.Array:
-        """TE's low-rank adaptation: x A B * alpha / r (B starts at zero), in x's dtype."""
-        r = self.low_rank_adaptation_dim
+        """TE's low-rank adaptation, one adapter per leading output index (a fused QKV
+        projection gets one per q, k, v): A [in..., lead..., r], B [lead..., r, last]
+        (B starts at zero); x A B * alpha / r, in x's dtype."""
+        r, lead = self.low_rank_adaptation_dim, tuple(features[:-1])
         axes = tuple(self.kernel_axes)
         in_axes, out_axes = (axes[:len(in_shape)], axes[len(in_shape):]) if axes else ((), ())
-        a = partitioning.param_with_axes("lora_a_kernel", default_kernel_init(len(in_shape), 1),
-                                         (*in_shape, r), self.dtype,
-                                         axes=(*in_axes, "lora") if in_axes else (), module=self)
-        b = partitioning.param_with_axes("lora_b_kernel", nn.initializers.zeros, (r, *features),
-                                         self.dtype, axes=("lora", *out_axes) if out_axes else (),
-                                         module=self)
-        y = dense_general(dense_general(x, a, len(in_shape)), b, 1)
+        a = partitioning.param_with_axes(
+            "lora_a_kernel", default_kernel_init(len(in_shape), len(lead) + 1), (*in_shape, *lead, r),
+            self.dtype, axes=(*in_axes, *out_axes[:-1], "lora") if axes else (), module=self)
+        b = partitioning.param_with_axes(
+            "lora_b_kernel", nn.initializers.zeros, (*lead, r, features[-1]), self.dtype,
+            axes=(*out_axes[:-1], "lora", out_axes[-1]) if axes else (), module=self)
+        h = dense_general(x, a, len(in_shape))                               # [..., lead..., r]
+        n_lead = math.prod(lead)
+        h = h.reshape(*h.shape[:h.ndim - len(lead) - 1], n_lead, r)
+        y = jnp.einsum("...lr,lrf->...lf", h, b.reshape(n_lead, r, features[-1]).astype(h.dtype))
+        y = y.reshape(*y.shape[:-2], *features)
         alpha = self.low_rank_adaptation_alpha
         return y if alpha is None else y * jnp.asarray(alpha / r, y.dtype)
 
