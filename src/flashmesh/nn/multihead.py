@@ -12,7 +12,12 @@ Parameters (TE's names; logical axes in parentheses):
   otherwise query/{scale, ln_bias, kernel [E, N*H] ('embed', 'joined_kv'), bias}, then
     kv/kernel [E, 2, K*H] ('embed', 'kv_dim', 'joined_kv') when fused, or key/ and value/
     kernels [E, K*H] when not; out/kernel [N*H, E] ('joined_kv', 'embed'), out/bias ('embed');
-  softmax_type 'learnable': softmax_offset [1, N, 1, 1] (None, 'heads', None, None), float32.
+  softmax_type 'learnable': softmax_offset [1, N, 1, 1] (None, 'heads', None, None), float32,
+    directly under the module (TE nests it in DotProductAttention_0/_FusedDotProductAttention_0/).
+Differences from TE a checkpoint or caller may meet: the second output (ln_out) is the
+LayerNorm output only when return_layernorm_output=True (TE also returns it on its unfused
+and GQA paths); axis names are the classic T5X ones ('embed', 'joined_kv', ...), not TE's
+'nvte_w_*' rules; `positions` is [B, T] (or [T, B] with transpose_batch_sequence).
 
 Masks. `mask` follows TE: a boolean [B, 1, T, S] array in which True means *masked out*, read
 only for the padding types ('padding', 'padding_causal', ...) and ignored for 'no_mask' and
@@ -31,7 +36,8 @@ positions < cache_index + T, causally by absolute position for causal types, wit
 window and padding mask applied as in the full pass; a bias of L rows is sliced to the new
 tokens' rows. Unlike TE, rotary embeddings use the tokens' absolute positions (cache_index +
 i; TE rotates each step at position 0), so decoding token by token equals the full causal
-pass. The caller keeps cache_index + T <= L.
+pass (and, unlike TE, causal types decode correctly without a padding mask); outputs
+therefore differ from TE's in decode. The caller keeps cache_index + T <= L.
 """
 
 from __future__ import annotations
