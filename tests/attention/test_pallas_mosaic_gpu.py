@@ -1,0 +1,155 @@
+"""The Hopper forward kernel (pallas_mosaic_gpu_sm90) against the reference backend in float32.
+
+On CPU it runs in Mosaic GPU's interpreter (`interpret=True`, tiny shapes); the `gpu`-marked
+copy runs the same cases compiled on a real Hopper GPU. Cases: no mask, causal, windows in both
+alignments, GQA and MQA, Dqk != Dv, f16, several query and key tiles (so tiles are skipped and
+both the masked and unmasked loops run), and rows that see no key (exactly 0 output,
+lse = EMPTY_ROW_LSE), plus the NotImplementedError of what the kernel does not do yet.
+
+Tolerance: FlashAttention's rule (semantics.assert_fa_rule): the output's error against the
+float32 reference is at most twice that of a plain computation in the input dtype, plus noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashmesh
+from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
+from flashmesh.attention.spec import EMPTY_ROW_LSE
+from semantics import assert_close, assert_fa_rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    T: int = 128
+    S: int = 128
+    N: int = 2
+    K: int = 2
+    Dqk: int = 64
+    Dv: int = 64
+    window: tuple[int, int] = (-1, -1)
+    bottom_right: bool = False
+    dtype: str = "bfloat16"
+    blocks: BlockSizes = BlockSizes(block_q=128, block_kv=64, num_stages=2, num_compute_wgs=2)
+
+
+ONE_WG = BlockSizes(block_q=64, block_kv=64, num_stages=2, num_compute_wgs=1)
+CASES = [
+    Case("full"),
+    Case("causal_gqa", T=256, S=256, N=2, K=1, window=(-1, 0)),
+    Case("window_left", T=256, S=256, window=(40, 0), blocks=ONE_WG),  # tiles below lo skipped
+    Case("window_both_sides_mqa", N=2, K=1, window=(30, 20)),
+    Case("causal_bottom_right", T=128, S=256, window=(-1, 0), bottom_right=True),
+    # T > S bottom-right: query tile 0 sees nothing (lo == hi), tile 1 has rows with no key.
+    Case("empty_rows", T=256, S=64, window=(-1, 0), bottom_right=True),
+    Case("window_top_left_long_q", T=256, S=128, window=(16, 0), blocks=ONE_WG),  # rows past S+16 empty
+    Case("mla_f16_single_stage", Dqk=128, Dv=64, window=(-1, 0), dtype="float16",
+         blocks=BlockSizes(block_q=64, block_kv=64, num_stages=1, num_compute_wgs=1)),
+]
+
+
+def visible(case: Case) -> np.ndarray:
+    """bool [T, S], built here independently of masks.py."""
+    i = np.arange(case.T)[:, None] + (case.S - case.T if case.bottom_right else 0)
+    d = i - np.arange(case.S)[None, :]
+    vis = np.ones((case.T, case.S), bool)
+    if case.window[0] >= 0:
+        vis &= d <= case.window[0]
+    if case.window[1] >= 0:
+        vis &= d >= -case.window[1]
+    return vis
+
+
+def make_inputs(case: Case, seed: int = 0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (1, case.T, case.N, case.Dqk), jnp.float32)
+    k = jax.random.normal(ks[1], (1, case.S, case.K, case.Dqk), jnp.float32)
+    v = jax.random.normal(ks[2], (1, case.S, case.K, case.Dv), jnp.float32)
+    return tuple(x.astype(case.dtype) for x in (q, k, v))
+
+
+def reference(case: Case, q, k, v, scale):
+    mask = ("causal_bottom_right" if case.bottom_right else "causal") if case.window[1] == 0 else "none"
+    window = case.window if case.window[0] >= 0 or case.window[1] > 0 else None
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return flashmesh.attention(*f32, mask=mask, window=window, scale=scale,
+                               implementation="reference", return_lse=True)
+
+
+def plain_low_precision(case: Case, q, k, v, scale):
+    """Attention computed in the input dtype throughout (FlashAttention's 'plain' baseline)."""
+    G = case.N // case.K
+    kk, vv = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, kk) * jnp.asarray(scale, q.dtype)
+    vis = jnp.asarray(visible(case))[None, None]
+    s = jnp.where(vis, s, jnp.asarray(-jnp.inf, q.dtype))
+    seen = vis.any(axis=-1, keepdims=True)
+    p = jax.nn.softmax(jnp.where(seen, s, jnp.zeros((), q.dtype)), axis=-1)
+    p = jnp.where(vis, p, jnp.zeros((), q.dtype))
+    return jnp.einsum("bnts,bsnh->btnh", p, vv)
+
+
+def check_case(case: Case, *, interpret: bool):
+    q, k, v = make_inputs(case)
+    scale = 1.0 / np.sqrt(case.Dqk)
+    out, lse = sm90.forward(q, k, v, scale=scale, window=case.window,
+                            bottom_right=case.bottom_right, block_sizes=case.blocks,
+                            interpret=interpret)
+    ref_out, ref_lse = reference(case, q, k, v, scale)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+    assert lse.shape == ref_lse.shape and lse.dtype == jnp.float32, (lse.shape, lse.dtype)
+    assert_fa_rule(f"{case.name} out", out.astype(jnp.float32), ref_out,
+                   plain_low_precision(case, q, k, v, scale).astype(jnp.float32))
+    assert_close(f"{case.name} lse", lse, ref_lse, rtol=0.0, atol=1e-4)
+    empty = ~visible(case).any(axis=1)  # [T]
+    if empty.any():
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[:, empty], 0.0)
+        np.testing.assert_array_equal(np.asarray(lse)[:, :, empty], np.float32(EMPTY_ROW_LSE))
+    assert (case.name != "empty_rows") or empty.sum() == 192  # the case means what it says
+
+
+@pytest.fixture
+def interpreter():
+    yield
+    # The interpreter keeps global state after a failed kernel; reset it for the next test.
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+    reset_gpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_interpret(case, interpreter):
+    check_case(case, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_gpu(case):
+    check_case(case, interpret=False)
+
+
+def test_refuses_tails_and_features():
+    q = jnp.zeros((1, 192, 2, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="T=192 is not a multiple"):
+        sm90.forward(q, kv, kv, scale=0.125, interpret=True)
+    with pytest.raises(NotImplementedError, match="S=96 is not a multiple"):
+        sm90.forward(q[:, :128], kv[:, :96], kv[:, :96], scale=0.125, interpret=True)
+    with pytest.raises(NotImplementedError, match="qk_dim=32"):
+        sm90.forward(q[:, :128, :, :32], kv[..., :32], kv, scale=0.125, interpret=True)
+    with pytest.raises(NotImplementedError, match="dtype=float32"):
+        f32 = kv.astype(jnp.float32)
+        sm90.forward(q[:, :128].astype(jnp.float32), f32, f32, scale=0.125, interpret=True)
+    spec = dataclasses.replace(sm90.spec_for(q[:, :128], kv, kv, scale=0.125), logits_soft_cap=30.0)
+    with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+        sm90.check(spec, BlockSizes())
+    with pytest.raises(ValueError, match="num_heads=2 must be a multiple of num_kv_heads=3"):
+        sm90.forward(q, jnp.zeros((1, 128, 3, 64), jnp.bfloat16),
+                     jnp.zeros((1, 128, 3, 64), jnp.bfloat16), scale=0.125)
