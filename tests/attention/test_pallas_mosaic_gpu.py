@@ -3,8 +3,10 @@
 On CPU it runs in Mosaic GPU's interpreter (`interpret=True`, tiny shapes); the `gpu`-marked
 copy runs the same cases compiled on a real Hopper GPU. Cases: no mask, causal, windows in both
 alignments, GQA and MQA, Dqk != Dv, f16, several query and key tiles (so tiles are skipped and
-both the masked and unmasked loops run), and rows that see no key (exactly 0 output,
-lse = EMPTY_ROW_LSE), plus the NotImplementedError of what the kernel does not do yet.
+both the masked and unmasked loops run), rows that see no key (exactly 0 output,
+lse = EMPTY_ROW_LSE, or the sink logit with a sink), sequence tails (T, S not block multiples),
+the logit soft cap and the off-by-one / learnable sink softmax, plus the errors of what the
+kernel does not do yet.
 
 Tolerance: FlashAttention's rule (semantics.assert_fa_rule): the output's error against the
 float32 reference is at most twice that of a plain computation in the input dtype, plus noise.
@@ -38,6 +40,8 @@ class Case:
     window: tuple[int, int] = (-1, -1)
     bottom_right: bool = False
     dtype: str = "bfloat16"
+    cap: float | None = None
+    softmax: str = "vanilla"
     blocks: BlockSizes = BlockSizes(block_q=128, block_kv=64, num_stages=2, num_compute_wgs=2)
 
 
@@ -53,6 +57,16 @@ CASES = [
     Case("window_top_left_long_q", T=256, S=128, window=(16, 0), blocks=ONE_WG),  # rows past S+16 empty
     Case("mla_f16_single_stage", Dqk=128, Dv=64, window=(-1, 0), dtype="float16",
          blocks=BlockSizes(block_q=64, block_kv=64, num_stages=1, num_compute_wgs=1)),
+    # Tails: 2 query tiles (the second with 72 real rows, its second warpgroup all padding) and
+    # 3 key tiles (the last with 8 real keys).
+    Case("tails_full", T=200, S=136, N=1, K=1),
+    Case("tails_causal_soft_cap", T=200, S=136, N=1, K=1, window=(-1, 0), cap=1.5,
+         blocks=ONE_WG),
+    # Bottom-right T > S: query tile 0 sees no key (lo == hi), so out = 0 and lse = 0 there.
+    Case("off_by_one_empty_rows", T=128, S=64, N=1, K=1, window=(-1, 0), bottom_right=True,
+         softmax="off_by_one", blocks=ONE_WG),
+    Case("learnable_cap_window_tails", T=72, S=200, K=1, window=(30, 10), cap=2.0,
+         softmax="learnable", blocks=ONE_WG),
 ]
 
 
@@ -76,44 +90,67 @@ def make_inputs(case: Case, seed: int = 0):
     return tuple(x.astype(case.dtype) for x in (q, k, v))
 
 
-def reference(case: Case, q, k, v, scale):
+def make_sink(case: Case):
+    """float32 [N] for learnable softmax (spread over [-1.5, 1.5], so it moves the output)."""
+    if case.softmax != "learnable":
+        return None
+    return jax.random.uniform(jax.random.key(7), (case.N,), jnp.float32, -1.5, 1.5)
+
+
+def reference(case: Case, q, k, v, scale, sink):
     mask = ("causal_bottom_right" if case.bottom_right else "causal") if case.window[1] == 0 else "none"
     window = case.window if case.window[0] >= 0 or case.window[1] > 0 else None
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     return flashmesh.attention(*f32, mask=mask, window=window, scale=scale,
+                               logits_soft_cap=case.cap, softmax=case.softmax, sink=sink,
                                implementation="reference", return_lse=True)
 
 
-def plain_low_precision(case: Case, q, k, v, scale):
-    """Attention computed in the input dtype throughout (FlashAttention's 'plain' baseline)."""
+def plain_low_precision(case: Case, q, k, v, scale, sink):
+    """Attention computed in the input dtype throughout (FlashAttention's 'plain' baseline);
+    a sink is one more logit column with value 0."""
     G = case.N // case.K
     kk, vv = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
     s = jnp.einsum("btnh,bsnh->bnts", q, kk) * jnp.asarray(scale, q.dtype)
+    if case.cap is not None:
+        cap = jnp.asarray(case.cap, q.dtype)
+        s = cap * jnp.tanh(s / cap)
     vis = jnp.asarray(visible(case))[None, None]
     s = jnp.where(vis, s, jnp.asarray(-jnp.inf, q.dtype))
+    if case.softmax != "vanilla":
+        z = jnp.zeros((case.N,), q.dtype) if sink is None else sink.astype(q.dtype)
+        s = jnp.concatenate([s, jnp.broadcast_to(z[None, :, None, None], s.shape[:3] + (1,))], -1)
+        vis = jnp.concatenate([jnp.broadcast_to(vis, s.shape[:3] + (case.S,)),
+                               jnp.ones(s.shape[:3] + (1,), bool)], -1)
     seen = vis.any(axis=-1, keepdims=True)
     p = jax.nn.softmax(jnp.where(seen, s, jnp.zeros((), q.dtype)), axis=-1)
-    p = jnp.where(vis, p, jnp.zeros((), q.dtype))
+    p = jnp.where(vis, p, jnp.zeros((), q.dtype))[..., :case.S]
     return jnp.einsum("bnts,bsnh->btnh", p, vv)
 
 
 def check_case(case: Case, *, interpret: bool):
     q, k, v = make_inputs(case)
     scale = 1.0 / np.sqrt(case.Dqk)
+    sink = make_sink(case)
     out, lse = sm90.forward(q, k, v, scale=scale, window=case.window,
-                            bottom_right=case.bottom_right, block_sizes=case.blocks,
+                            bottom_right=case.bottom_right, logits_soft_cap=case.cap,
+                            softmax=case.softmax, sink=sink, block_sizes=case.blocks,
                             interpret=interpret)
-    ref_out, ref_lse = reference(case, q, k, v, scale)
+    ref_out, ref_lse = reference(case, q, k, v, scale, sink)
+    assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
     assert out.shape == ref_out.shape and out.dtype == q.dtype, (out.shape, out.dtype)
     assert lse.shape == ref_lse.shape and lse.dtype == jnp.float32, (lse.shape, lse.dtype)
     assert_fa_rule(f"{case.name} out", out.astype(jnp.float32), ref_out,
-                   plain_low_precision(case, q, k, v, scale).astype(jnp.float32))
+                   plain_low_precision(case, q, k, v, scale, sink).astype(jnp.float32))
     assert_close(f"{case.name} lse", lse, ref_lse, rtol=0.0, atol=1e-4)
     empty = ~visible(case).any(axis=1)  # [T]
     if empty.any():
         np.testing.assert_array_equal(np.asarray(out, np.float32)[:, empty], 0.0)
-        np.testing.assert_array_equal(np.asarray(lse)[:, :, empty], np.float32(EMPTY_ROW_LSE))
-    assert (case.name != "empty_rows") or empty.sum() == 192  # the case means what it says
+        empty_lse = {"vanilla": EMPTY_ROW_LSE, "off_by_one": 0.0}[case.softmax]
+        np.testing.assert_array_equal(np.asarray(lse)[:, :, empty], np.float32(empty_lse))
+    # the cases mean what they say
+    assert (case.name != "empty_rows") or empty.sum() == 192
+    assert (case.name != "off_by_one_empty_rows") or empty.sum() == 64
 
 
 @pytest.fixture
@@ -135,20 +172,22 @@ def test_forward_gpu(case):
     check_case(case, interpret=False)
 
 
-def test_refuses_tails_and_features():
+def test_refuses_features_and_bad_sinks():
     q = jnp.zeros((1, 192, 2, 64), jnp.bfloat16)
     kv = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="T=192 is not a multiple"):
-        sm90.forward(q, kv, kv, scale=0.125, interpret=True)
-    with pytest.raises(NotImplementedError, match="S=96 is not a multiple"):
-        sm90.forward(q[:, :128], kv[:, :96], kv[:, :96], scale=0.125, interpret=True)
+    with pytest.raises(ValueError, match=r"softmax='learnable' needs sink of shape \(2,\)"):
+        sm90.forward(q, kv, kv, scale=0.125, softmax="learnable", interpret=True)
+    with pytest.raises(ValueError, match="sink must be None for softmax='vanilla'"):
+        sm90.forward(q, kv, kv, scale=0.125, sink=jnp.zeros((2,)), interpret=True)
+    with pytest.raises(ValueError, match="logits_soft_cap=-1.0 must be positive"):
+        sm90.forward(q, kv, kv, scale=0.125, logits_soft_cap=-1.0, interpret=True)
     with pytest.raises(NotImplementedError, match="qk_dim=32"):
         sm90.forward(q[:, :128, :, :32], kv[..., :32], kv, scale=0.125, interpret=True)
     with pytest.raises(NotImplementedError, match="dtype=float32"):
         f32 = kv.astype(jnp.float32)
         sm90.forward(q[:, :128].astype(jnp.float32), f32, f32, scale=0.125, interpret=True)
-    spec = dataclasses.replace(sm90.spec_for(q[:, :128], kv, kv, scale=0.125), logits_soft_cap=30.0)
-    with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+    spec = dataclasses.replace(sm90.spec_for(q[:, :128], kv, kv, scale=0.125), dropout_rate=0.1)
+    with pytest.raises(NotImplementedError, match="dropout"):
         sm90.check(spec, BlockSizes())
     with pytest.raises(ValueError, match="num_heads=2 must be a multiple of num_kv_heads=3"):
         sm90.forward(q, jnp.zeros((1, 128, 3, 64), jnp.bfloat16),
