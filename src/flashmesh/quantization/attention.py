@@ -72,6 +72,7 @@ from flashmesh.attention import api, cudnn
 from flashmesh.attention.spec import AttentionSpec
 from flashmesh.attention.varying import varying_axes
 from flashmesh.quantization import combine, scaling
+from flashmesh.quantization.state import declare as declare_variables
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 __all__ = ["TENSORS", "init_state", "declare_state", "fp8_attention", "fp8_attention_support",
@@ -102,16 +103,7 @@ def declare_state(module, recipe: DelayedScaling) -> dict[str, tuple[jax.Array, 
     """The state of one attention from (in `init`, created in) `module`'s `fp8_metas`:
     variables `{name}_scale` [1] (ones) and `{name}_amax_history` [L] (zeros), viewed in the
     combining dtypes (scales min, histories max) as `state.gemm_state` does for GEMMs."""
-    from flashmesh.quantization.state import COLLECTION
-    length = recipe.amax_history_len
-    state = {}
-    for t in TENSORS:
-        scale = module.variable(COLLECTION, f"{t}_scale", jnp.ones, (1,), jnp.float32).value
-        history = module.variable(COLLECTION, f"{t}_amax_history", jnp.zeros, (length,),
-                                  jnp.float32).value
-        state[t] = (combine.to_combining(scale, combine.fmin32),
-                    combine.to_combining(history, combine.fmax32))
-    return state
+    return declare_variables(module, TENSORS, "", recipe.amax_history_len)
 
 
 def _checked_state(state, length: int) -> dict:

@@ -29,7 +29,7 @@ from flashmesh.quantization import combine
 from flashmesh.quantization.autocast import active_recipe
 from flashmesh.quantization.recipe import DelayedScaling
 
-__all__ = ["COLLECTION", "QUANTIZERS", "gemm_state", "update_fp8_metas", "combine_by_max",
+__all__ = ["COLLECTION", "QUANTIZERS", "gemm_state", "declare", "update_fp8_metas", "combine_by_max",
            "accumulate_gradients"]
 
 COLLECTION = "fp8_metas"
@@ -51,22 +51,29 @@ def gemm_state(module, postfix: str = ""):
     recipe = active_recipe()
     if recipe is None or not isinstance(recipe, DelayedScaling):
         return recipe, None
+    return recipe, declare(module, QUANTIZERS, postfix, recipe.amax_history_len)
+
+
+def declare(module, names, postfix: str, length: int) -> dict:
+    """{name: (scale, history)} for each of `names`: the variables `{name}{postfix}_scale` [1]
+    (ones) and `{name}{postfix}_amax_history` [length] (zeros) of `module`'s `fp8_metas`
+    (created in `init`), viewed in the combining dtypes (scales min, histories max). The GEMMs'
+    state (`gemm_state`) and FP8 attention's (`quantization.attention.declare_state`) both."""
     # One view per variable per apply: a module called twice in one apply (shared weights)
     # then uses one combining-dtype value, so its two uses combine by max instead of meeting
     # at the float32 variable, where autodiff would add them.
     views = module.scope.root.__dict__.setdefault("_flashmesh_fp8_views", {})
-    key = (tuple(module.scope.path), postfix)
+    key = (tuple(module.scope.path), tuple(names), postfix)
     if key in views:
-        return recipe, views[key]
-    first = f"{QUANTIZERS[0]}{postfix}_scale"
+        return views[key]
+    first = f"{names[0]}{postfix}_scale"
     if not module.is_initializing() and not module.has_variable(COLLECTION, first):
         raise ValueError(
             f"module {module.name or type(module).__name__!r} runs under FP8 autocast with "
             f"DelayedScaling but its variables have no '{COLLECTION}' state ({first}): create them "
             f"with init inside flashmesh.te.autocast(enabled=True, recipe=...) and pass them to apply")
-    length = recipe.amax_history_len
     state = {}
-    for q in QUANTIZERS:
+    for q in names:
         scale = module.variable(COLLECTION, f"{q}{postfix}_scale", jnp.ones, (1,), jnp.float32).value
         history = module.variable(COLLECTION, f"{q}{postfix}_amax_history", jnp.zeros, (length,),
                                   jnp.float32).value
@@ -76,7 +83,7 @@ def gemm_state(module, postfix: str = ""):
         state[q] = (combine.to_combining(scale, combine.fmin32),
                     combine.to_combining(history, combine.fmax32))
     views[key] = state
-    return recipe, state
+    return state
 
 
 def _flat(tree) -> dict:
