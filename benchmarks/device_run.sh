@@ -18,7 +18,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/flashmesh-out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=220
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site:$PWD/.whl/stubs"
@@ -54,5 +54,7 @@ for step in "$@"; do
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" ;;
   esac
+  # The results also as one archive (a results folder itself has not always come back whole).
+  [ -d "$OUT/benchmarks" ] && tar -C "$OUT" -czf "$OUT/results.tgz" benchmarks
 done
 echo "=== done $(date -u +%T)"

@@ -55,7 +55,7 @@ def test_rows_are_checked_then_timed(run_dir):
             assert 1e-3 < r["error"] < layer_checks.FP8_TOLERANCE, r
             assert r["checked_against"].startswith(r["label"].removesuffix("_fp8"))
             assert 1e-3 < r["f32_error"] < layer_checks.FP8_TOLERANCE
-            assert r["fp8_update_ms"] > 0 and 0 < r["fp8_update_share"] and r["fp8_state_arrays"] > 0
+            assert r["fp8_update_ms"] > 0 and r["fp8_update_ms_back_to_back"] > 0 and 0 < r["fp8_update_share"] and r["fp8_state_arrays"] > 0
         else:  # float32 on a CPU: every map is exact, so the rows agree to rounding
             assert r["error"] < 1e-4, r
             assert r["fp8_update_ms"] is None
