@@ -1,5 +1,5 @@
 """Diagnosis only (numbers are claimed from `flashmesh bench`): the Mosaic GPU forward
-(`attention/pallas_mosaic_gpu_sm90.py`, not registered) against cuDNN on a few anchor shapes:
+(`attention/pallas_mosaic_gpu_sm90.py`) against cuDNN on a few anchor shapes:
 error against cuDNN and the time per call of 20 calls back to back, each block size listed."""
 import sys
 import time
@@ -18,7 +18,29 @@ SHAPES = [  # name, B, T, N, K, D, window
     ("seed000_gqa_swa", 2, 4096, 128, 8, 128, (128, 0)),
     ("causal_8k_h32_d64", 1, 8192, 32, 32, 64, (-1, 0)),
 ]
-CONFIGS = [dict(), dict(num_stages=3), dict(block_q=192, num_compute_wgs=3), dict(block_kv=64)]
+# BlockSizes fields per config; dict() is the default (ping-pong + intra-warpgroup overlap,
+# O staged in Q's buffer, LPT order, 128 / 128 / 2 stages / 2 compute warpgroups).
+FIRST = dict(pingpong=False, intra_wg_overlap=False, reuse_q_for_o=False, lpt_order=False)
+COMMON = [
+    dict(),
+    dict(num_stages=3),
+    dict(intra_wg_overlap=False),  # ping-pong only (tokamax's schedule)
+    dict(intra_wg_overlap=False, num_stages=3),
+    dict(pingpong=False),  # overlap only
+    dict(lpt_order=False),
+    dict(compute_registers=240, memory_registers=24),  # FA3's split
+    dict(num_stages=3, compute_registers=240, memory_registers=24),
+    FIRST,  # the first kernel's schedule (the 1.18x row)
+]
+EXTRA = {  # shape-specific tiles
+    "full_4k_h16_d128": [dict(block_kv=192), dict(block_kv=192, intra_wg_overlap=False)],
+    "seed000_gqa_swa": [dict(block_kv=64), dict(block_kv=64, intra_wg_overlap=False),
+                        dict(block_kv=64, num_stages=3)],
+    "causal_8k_h32_d64": [dict(block_q=192, num_compute_wgs=3, num_stages=4),
+                          dict(block_q=192, num_compute_wgs=3, num_stages=4,
+                               intra_wg_overlap=False),
+                          dict(num_stages=4), dict(block_kv=256)],
+}
 
 
 def back_to_back(f, *args, n=20):
@@ -30,7 +52,7 @@ def back_to_back(f, *args, n=20):
 
 
 def main():
-    only = sys.argv[1:] or None
+    only = [a for a in sys.argv[1:] if not a.startswith("--")] or None
     for name, B, T, N, K, D, window in SHAPES:
         if only and name not in only:
             continue
@@ -45,7 +67,17 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
-        for cfg in CONFIGS:
+        if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's
+            for impl in ("cudnn", "pallas_mosaic_gpu"):
+                try:
+                    step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(flashmesh.attention(
+                        q, k, v, mask="causal" if causal else "none",
+                        window=None if window[0] < 0 else window,
+                        implementation=impl).astype(jnp.float32)), argnums=(0, 1, 2)))
+                    print(f"  fwd+bwd {impl}: {back_to_back(step, q, k, v):.3f} ms", flush=True)
+                except Exception as e:  # a probe: report and go on
+                    print(f"  fwd+bwd {impl}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        for cfg in COMMON + EXTRA.get(name, []):
             try:
                 bs = BlockSizes(**cfg) if cfg else None
                 f = jax.jit(lambda q, k, v: sm90.forward(q, k, v, scale=D ** -0.5, window=window,

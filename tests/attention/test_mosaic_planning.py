@@ -1,6 +1,7 @@
 """Planning of the Mosaic GPU kernels (pallas_mosaic_gpu_common): tile ranges against a
 brute-force dense element mask, LPT orders, KV splits, BlockSizes and the config table."""
 
+import dataclasses
 import json
 
 import jax
@@ -247,6 +248,9 @@ def test_padding_bound_is_the_band():
     (dict(compute_registers=250), ["compute_registers=250", "multiple of 8"]),
     (dict(compute_registers=256, memory_registers=40), ["compute_registers=256", "512", "552"]),
     (dict(block_q=128.0), ["block_q=128.0"]),
+    (dict(block_q=64, num_compute_wgs=1, pingpong=True), ["pingpong=True", "num_compute_wgs >= 2"]),
+    (dict(intra_wg_overlap=1), ["intra_wg_overlap=1", "bool"]),
+    (dict(lpt_order=None), ["lpt_order=None", "bool"]),
 ])
 def test_block_sizes_errors(kwargs, words):
     with pytest.raises(ValueError) as e:
@@ -267,9 +271,43 @@ def test_block_sizes_for_a_call():
     with pytest.raises(ValueError, match=r"shared memory"):
         mg.BlockSizes(block_kv=128, num_stages=3).validate_for(make_spec(256, 256, Dqk=256))
     with pytest.raises(ValueError, match=r"accumulators need 256 registers"):
-        mg.BlockSizes(block_kv=256, num_stages=1).validate_for(make_spec(256, 256, Dqk=128, Dv=256))
+        mg.BlockSizes(block_kv=256, num_stages=1, intra_wg_overlap=False).validate_for(
+            make_spec(256, 256, Dqk=128, Dv=256))
+    with pytest.raises(ValueError, match=r"accumulators need 320 registers .*P in flight"):
+        mg.BlockSizes(block_kv=256, num_stages=1, intra_wg_overlap=True).validate_for(make_spec(256, 256, Dqk=128, Dv=256))
     with pytest.raises(NotImplementedError, match="v_dim=512"):
         mg.BlockSizes().validate_for(make_spec(256, 256, Dqk=64, Dv=512))
+
+
+def test_schedule_defaults():
+    bs = mg.BlockSizes()
+    assert (bs.pingpong, bs.intra_wg_overlap, bs.reuse_q_for_o, bs.lpt_order) == (True, False, True, True)
+    assert mg.BlockSizes(block_q=64, num_compute_wgs=1).pingpong is False  # nobody to take turns with
+    assert mg.BlockSizes(block_q=192, num_compute_wgs=3).pingpong is True
+    assert mg.BlockSizes(pingpong=False).pingpong is False
+
+
+def test_shared_memory_count():
+    """smem_bytes by hand (1024-byte aligned buffers + 8 bytes per mbarrier); the kernel test
+    checks the same numbers against Mosaic GPU's own count."""
+    K = 1024
+    d128 = make_spec(4096, 4096, (-1, 0), Dqk=128)
+    # Q 32 K (O reuses it), K and V 3 x 32 K each, lse 512 B -> 1 K; 2 + 4 * 3 barriers.
+    bs3 = mg.BlockSizes(num_stages=3)
+    assert bs3.smem_bytes(d128) == (32 + 192 + 1) * K + 8 * 14 == 230512
+    assert bs3.validate_for(d128) is bs3  # 3 stages fit at d128 once O reuses Q
+    with pytest.raises(ValueError, match=r"needs 263280 bytes .* at most 232448 \(227 KB\)"):
+        mg.BlockSizes(num_stages=3, reuse_q_for_o=False).validate_for(d128)
+    # 3 warpgroups of 64 rows at d128: Q 48 K, K and V 2 x 32 K each, lse 768 B -> 1 K.
+    bs = mg.BlockSizes(block_q=192, num_compute_wgs=3)
+    assert bs.smem_bytes(d128) == (48 + 128 + 1) * K + 8 * 11
+    # Dqk != Dv: O gets its own buffer; a learnable sink adds its rows and W barriers.
+    mla = make_spec(4096, 4096, (-1, 0), Dqk=128, Dv=64)
+    bs = mg.BlockSizes()
+    assert not bs.o_reuses_q(mla)
+    assert bs.smem_bytes(mla) == (32 + 64 + 32 + 16 + 1) * K + 8 * 10  # Q, K, V, O, lse
+    learnable = dataclasses.replace(mla, softmax="learnable")
+    assert bs.smem_bytes(learnable) == bs.smem_bytes(mla) + K + 8 * 2
 
 
 # -- the table and default_for ------------------------------------------------------------------

@@ -48,9 +48,16 @@ class Case:
 ONE_WG = BlockSizes(block_q=64, block_kv=64, num_stages=2, num_compute_wgs=1)
 CASES = [
     Case("full"),
-    Case("causal_gqa", T=256, S=256, N=2, K=1, window=(-1, 0)),
+    Case("causal_gqa_overlap", T=256, S=256, N=2, K=1, window=(-1, 0),
+         blocks=BlockSizes(intra_wg_overlap=True)),
     Case("window_left", T=256, S=256, window=(40, 0), blocks=ONE_WG),  # tiles below lo skipped
-    Case("window_both_sides_mqa", N=2, K=1, window=(30, 20)),
+    # The first kernel's schedule: no ping-pong, no intra-warpgroup overlap, O in its own
+    # buffer, query tiles in order (the default elsewhere: ping-pong with 2 or more
+    # warpgroups, no overlap, O staged in Q's buffer when Dqk == Dv, tiles last to first).
+    Case("window_both_sides_mqa_first_schedule", N=2, K=1, window=(30, 20),
+         blocks=BlockSizes(block_q=128, block_kv=64, num_stages=3, num_compute_wgs=2,
+                           pingpong=False, intra_wg_overlap=False, reuse_q_for_o=False,
+                           lpt_order=False)),
     Case("causal_bottom_right", T=128, S=256, window=(-1, 0), bottom_right=True),
     # T > S bottom-right: query tile 0 sees nothing (lo == hi), tile 1 has rows with no key.
     Case("empty_rows", T=256, S=64, window=(-1, 0), bottom_right=True),
@@ -59,7 +66,9 @@ CASES = [
          blocks=BlockSizes(block_q=64, block_kv=64, num_stages=1, num_compute_wgs=1)),
     # Tails: 2 query tiles (the second with 72 real rows, its second warpgroup all padding) and
     # 3 key tiles (the last with 8 real keys).
-    Case("tails_full", T=200, S=136, N=1, K=1),
+    Case("tails_full_pingpong_no_overlap", T=200, S=136, N=1, K=1,
+         blocks=BlockSizes(block_q=128, block_kv=64, num_stages=2, num_compute_wgs=2,
+                           intra_wg_overlap=False)),
     Case("tails_causal_soft_cap", T=200, S=136, N=1, K=1, window=(-1, 0), cap=1.5,
          blocks=ONE_WG),
     # Bottom-right T > S: query tile 0 sees no key (lo == hi), so out = 0 and lse = 0 there.
@@ -67,6 +76,23 @@ CASES = [
          softmax="off_by_one", blocks=ONE_WG),
     Case("learnable_cap_window_tails", T=72, S=200, K=1, window=(30, 10), cap=2.0,
          softmax="learnable", blocks=ONE_WG),
+    # Three warpgroups take turns in a ring. Bottom-right T > S: query tile 0 sees no key
+    # (the empty branch), tile 1 has rows with no key and 2 masked key tiles.
+    Case("three_wg_ring_empty_tile", T=384, S=128, N=1, K=1, window=(-1, 0), bottom_right=True,
+         blocks=BlockSizes(block_q=192, block_kv=64, num_stages=3, num_compute_wgs=3,
+                           intra_wg_overlap=True)),
+]
+
+# GPU only (too large for the interpreter): the probe's tiles at full size.
+GPU_CASES = [
+    Case("d128_causal_three_stages", T=1024, S=1024, Dqk=128, Dv=128, window=(-1, 0),
+         blocks=BlockSizes(num_stages=3)),
+    Case("d128_full_kv192_240_regs", T=1024, S=960, Dqk=128, Dv=128,
+         blocks=BlockSizes(block_kv=192, compute_registers=240, memory_registers=24)),
+    Case("d128_window_pingpong_no_overlap", T=1024, S=1024, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BlockSizes(block_kv=64, intra_wg_overlap=False)),
+    Case("d64_three_wg_causal_tails", T=1000, S=1000, Dqk=64, Dv=64, window=(-1, 0),
+         blocks=BlockSizes(block_q=192, num_compute_wgs=3, num_stages=4)),
 ]
 
 
@@ -151,6 +177,7 @@ def check_case(case: Case, *, interpret: bool):
     # the cases mean what they say
     assert (case.name != "empty_rows") or empty.sum() == 192
     assert (case.name != "off_by_one_empty_rows") or empty.sum() == 64
+    assert (case.name != "three_wg_ring_empty_tile") or empty.sum() == 256  # all of tile 0 + 64
 
 
 @pytest.fixture
@@ -167,9 +194,47 @@ def test_forward_interpret(case, interpreter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=lambda c: c.name)
 def test_forward_gpu(case):
     check_case(case, interpret=False)
+
+
+# The GPU path (P as a register operand, both GEMMs in flight) lowered on CPU through Pallas
+# and Mosaic GPU's Python passes (layout inference, dialect lowering; not ptxas), for each
+# schedule: (T, Dqk, Dv, window, softmax, cap, BlockSizes).
+LOWERINGS = [
+    (1024, 128, 128, (-1, 0), "vanilla", None, BlockSizes()),
+    (1024, 128, 128, (-1, -1), "vanilla", None, BlockSizes(num_stages=3)),
+    (1024, 128, 128, (-1, 0), "vanilla", None, BlockSizes(intra_wg_overlap=False)),
+    (1000, 64, 64, (-1, 0), "vanilla", None, BlockSizes(block_q=192, num_compute_wgs=3,
+                                                        num_stages=4)),
+    (1000, 128, 64, (100, 20), "learnable", 2.0, BlockSizes(block_kv=64)),
+    (512, 256, 256, (-1, 0), "off_by_one", None, BlockSizes(block_kv=64, num_stages=1,
+                                                            block_q=64, num_compute_wgs=1)),
+]
+
+
+@pytest.mark.parametrize("T, Dqk, Dv, window, softmax, cap, blocks", LOWERINGS)
+def test_gpu_path_lowers_on_cpu(T, Dqk, Dv, window, softmax, cap, blocks):
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
+    q = jax.ShapeDtypeStruct((1, T, 2, Dqk), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, T, 2, Dv), jnp.bfloat16)
+    sink = jax.ShapeDtypeStruct((2,), jnp.float32) if softmax == "learnable" else None
+
+    def lower():  # a fresh jit each time: lowerings are cached
+        f = jax.jit(lambda q, k, v, sink: sm90.forward(
+            q, k, v, scale=0.1, window=window, softmax=softmax, sink=sink, logits_soft_cap=cap,
+            block_sizes=blocks))
+        f.trace(q, q, v, sink).lower(lowering_platforms=("cuda",))
+
+    # Mosaic GPU's own shared memory count (its error under a 1-byte limit, raised before the
+    # body is lowered) is BlockSizes'.
+    spec = sm90.spec_for(q, q, v, scale=0.1, window=window, softmax=softmax)
+    with mosaic_core.artificial_shared_memory_limit(1), pytest.raises(ValueError) as e:
+        lower()
+    assert f"smem_bytes={blocks.smem_bytes(spec)} " in str(e.value), str(e.value)
+    lower()
 
 
 def test_refuses_features_and_bad_sinks():

@@ -485,9 +485,10 @@ def test_gpu_cudnn_fp8_against_float32(causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason=fa8.KNOWN_WRONG)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_scales_update_over_steps(causal):
+    """Passed on the H200 (2026-12-01) once scale_s = fp8_max and the backward's scale operands
+    follow XLA's order; the accuracy test above still fails."""
     q, k, v, g = _inputs(GPU_SHAPE, jnp.bfloat16, seed=2)
     states = [fa8.init_state(4)]
     for _ in range(3):

@@ -21,8 +21,11 @@ def gemm_calls(hlo: str) -> dict[str, int]:
     """GEMMs in compiled HLO text by kind: FP8 cuBLASLt calls, other cuBLAS/cuBLASLt calls, and
     dots left in fusions (XLA's Triton GEMMs), split by whether both operands are FP8."""
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
-    # a dot's operand types: the first two `type[` inside its parentheses
-    dots = [re.findall(r"(\w+)\[", args)[:2] for args in re.findall(r" dot\(([^)]*)\)", hlo)]
+    # Compiled HLO names a dot's operands without their types: look each name up where it is
+    # defined (`%name = type[...]`; names are unique within a module).
+    types = dict(re.findall(r"(%[\w.-]+) = (\w+)\[", hlo))
+    dots = [[types.get(name, "?") for name in re.findall(r"%[\w.-]+", args)[:2]]
+            for args in re.findall(r" dot\(([^)]*)\)", hlo)]
     f8 = lambda t: t.startswith("f8")
     return {
         "f8": sum(t == F8_GEMM for t in targets),

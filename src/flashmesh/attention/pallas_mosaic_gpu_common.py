@@ -49,6 +49,7 @@ REGISTERS_PER_SM = 65536  # 32-bit registers, shared by every thread of a block
 WARPGROUP = 128  # threads
 WGMMA_M = 64  # rows of one warpgroup's WGMMA
 SWIZZLE_BYTES = 128  # Mosaic's swizzle: a WGMMA K extent is a multiple of 128 B
+SMEM_ALIGNMENT = 1024  # Mosaic GPU rounds every shared memory buffer up to this many bytes
 _NO_ARRAYS = AttentionInputs(q=None, k=None, v=None)
 
 
@@ -210,7 +211,7 @@ def kv_tile_order(ranges: TileRanges):
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """The forward kernel's tile configuration (FA3/tokamax structure: compute warpgroups
-    plus one memory warpgroup that streams K and V by TMA).
+    plus one memory warpgroup that streams K and V by TMA) and its schedule options.
 
     block_q: query rows per tile (one CTA; the unit of `kv_ranges`), shared by num_compute_wgs
       warpgroups of block_q // num_compute_wgs rows, each a multiple of WGMMA's M = 64.
@@ -221,6 +222,20 @@ class BlockSizes:
     compute_registers, memory_registers: setmaxnreg per thread of a compute / the memory
       warpgroup (multiples of 8 in [24, 256]); None: 232/40 up to 2 compute warpgroups, 160/32
       with 3 (tokamax, FA3). All warpgroups together get at most 65536 registers.
+    pingpong: the compute warpgroups take turns on the tensor cores (FA3's warp scheduler
+      barrier, tokamax's schedule barrier): one warpgroup's GEMMs run while the others do
+      their softmax. None: on with 2 or more compute warpgroups; True needs 2 or more.
+    intra_wg_overlap: within a warpgroup, issue step j's S = Q Kⱼᵀ together with step j-1's
+      O += P V and run step j's softmax while that P·V is in flight (FA3's IntraWGOverlap);
+      False (the default): S, softmax, P·V one after the other. Measured on the H200
+      (benchmarks/results/2026-12-01-nvidia-h200-gpu-tests/probe_mosaic_2.log, forward, ping-pong
+      on): off 0.906 ms against on 1.341 on causal_8k_h32_d128, 0.424 against 0.521 on
+      seed000_gqa_swa (likely register pressure: S, O and two P tiles live at once).
+    reuse_q_for_o: stage the output tile in the warpgroup's Q buffer (Q is dead after the
+      last S GEMM; tokamax's RefUnion), which frees block_q * v_dim elements of shared memory;
+      only when qk_dim == v_dim, else O gets its own buffer.
+    lpt_order: visit the query tiles of each (head, batch) last to first, so the longest
+      causal tiles start first and the short ones fill the last wave (tokamax, FA3's LPT).
     """
 
     block_q: int = 128
@@ -229,6 +244,10 @@ class BlockSizes:
     num_compute_wgs: int = 2
     compute_registers: int | None = None
     memory_registers: int | None = None
+    pingpong: bool | None = None
+    intra_wg_overlap: bool = False
+    reuse_q_for_o: bool = True
+    lpt_order: bool = True
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -247,6 +266,15 @@ class BlockSizes:
             object.__setattr__(self, "compute_registers", compute)
         if self.memory_registers is None:
             object.__setattr__(self, "memory_registers", memory)
+        if self.pingpong is None:
+            object.__setattr__(self, "pingpong", self.num_compute_wgs >= 2)
+        for name in ("pingpong", "intra_wg_overlap", "reuse_q_for_o", "lpt_order"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BlockSizes.{name}={getattr(self, name)!r} must be a bool")
+        if self.pingpong and self.num_compute_wgs < 2:
+            raise ValueError(f"BlockSizes.pingpong=True needs num_compute_wgs >= 2, got "
+                             f"{self.num_compute_wgs} (one warpgroup has nobody to take turns "
+                             "with)")
         for name in ("compute_registers", "memory_registers"):
             check(name, lambda r: 24 <= r <= 256 and r % 8 == 0, "a multiple of 8 in [24, 256]")
         total = (self.compute_registers * self.num_compute_wgs + self.memory_registers) * WARPGROUP
@@ -261,12 +289,32 @@ class BlockSizes:
     def rows_per_wg(self) -> int:
         return self.block_q // self.num_compute_wgs
 
+    def o_reuses_q(self, spec: AttentionSpec) -> bool:
+        """Whether the forward kernel stages O in the Q buffer for this call."""
+        return self.reuse_q_for_o and spec.qk_dim == spec.v_dim
+
     def smem_bytes(self, spec: AttentionSpec) -> int:
-        """Shared memory the tiles need: Q plus num_stages K and V buffers (O's epilogue
-        aliases Q, as tokamax's RefUnion does)."""
-        size = jnp.dtype(spec.dtype).itemsize
-        return size * (self.block_q * spec.qk_dim
-                       + self.num_stages * self.block_kv * (spec.qk_dim + spec.v_dim))
+        """Shared memory the forward kernel allocates on a GPU, exactly as Mosaic GPU counts
+        it (each buffer rounded up to SMEM_ALIGNMENT, 8 bytes per mbarrier, no reduction
+        scratch): Q, num_stages K and V buffers, O unless it reuses Q's buffer, the float32
+        lse rows, the learnable sink's rows, and the barriers. Mirrors the scratch list of
+        `pallas_mosaic_gpu_sm90.forward_spec` (a test compares the two on compiled kernels)."""
+        size, rows, W = jnp.dtype(spec.dtype).itemsize, self.block_q, self.num_compute_wgs
+        sink = spec.softmax == "learnable"
+        buffers = [rows * spec.qk_dim * size,
+                   self.num_stages * self.block_kv * spec.qk_dim * size,
+                   self.num_stages * self.block_kv * spec.v_dim * size,
+                   0 if self.o_reuses_q(spec) else rows * spec.v_dim * size,
+                   rows * 4, rows * 4 if sink else 0]
+        barriers = W + 4 * self.num_stages + (W if sink else 0)
+        return sum(_cdiv(b, SMEM_ALIGNMENT) * SMEM_ALIGNMENT for b in buffers) + 8 * barriers
+
+    def accumulator_registers(self, spec: AttentionSpec) -> int:
+        """Registers per compute thread that the live tiles take: the S and O accumulators in
+        float32, plus (intra_wg_overlap) the previous step's P in 16 bits, whose P·V is in
+        flight during the softmax. A lower bound: the softmax needs some more."""
+        p = self.block_kv // 2 if self.intra_wg_overlap else 0
+        return self.rows_per_wg * (self.block_kv + spec.v_dim + p) // WARPGROUP
 
     def validate_for(self, spec: AttentionSpec) -> "BlockSizes":
         """self, checked against a call: ValueError for a tile that cannot work with its dtype
@@ -279,17 +327,18 @@ class BlockSizes:
         if self.block_kv % step:
             raise ValueError(f"BlockSizes.block_kv={self.block_kv} must be a multiple of {step} "
                              f"for {spec.dtype} (the K extent of P·V under the 128-byte swizzle)")
-        acc = self.rows_per_wg * (self.block_kv + spec.v_dim) // WARPGROUP
-        if acc > self.compute_registers:
+        if (acc := self.accumulator_registers(spec)) > self.compute_registers:
+            p = " + block_kv / 2 (P in flight, intra_wg_overlap)" if self.intra_wg_overlap else ""
             raise ValueError(
                 f"BlockSizes: the S and O accumulators need {acc} registers per thread (rows_per_wg="
-                f"{self.rows_per_wg} * (block_kv={self.block_kv} + v_dim={spec.v_dim}) / 128), "
+                f"{self.rows_per_wg} * (block_kv={self.block_kv} + v_dim={spec.v_dim}{p}) / 128), "
                 f"more than compute_registers={self.compute_registers}")
         if (smem := self.smem_bytes(spec)) > SMEM_BYTES:
             raise ValueError(
                 f"BlockSizes(block_q={self.block_q}, block_kv={self.block_kv}, num_stages="
-                f"{self.num_stages}) needs {smem} bytes of shared memory for qk_dim={spec.qk_dim}, "
-                f"v_dim={spec.v_dim}, {spec.dtype}; at most {SMEM_BYTES}")
+                f"{self.num_stages}, reuse_q_for_o={self.reuse_q_for_o}) needs {smem} bytes of "
+                f"shared memory for qk_dim={spec.qk_dim}, v_dim={spec.v_dim}, {spec.dtype}, "
+                f"softmax={spec.softmax!r}; at most {SMEM_BYTES} (227 KB)")
         return self
 
 

@@ -1,4 +1,4 @@
-"""Hopper (sm90) forward attention kernel in Pallas Mosaic GPU: the first version.
+"""Hopper (sm90) forward attention kernel in Pallas Mosaic GPU (FA3's structure).
 
 Shape legend: B batch, T query length, S key length, N query heads, K key/value heads
 (query head n reads key/value head n // (N // K)), Dqk / Dv head dims; block_q query rows per
@@ -9,7 +9,25 @@ head, batch); per CTA `num_compute_wgs` compute warpgroups and one memory warpgr
 warpgroup streams K and V tiles by TMA into a ring of `num_stages` SMEM buffers (separate
 "ready" barriers for K and V, so P·V waits only for V; "consumed" barriers release a slot once
 every compute warpgroup is done with it). Each compute warpgroup loads its Q rows once, then per
-key tile runs S = Q Kᵀ (WGMMA), an exp2 online softmax in float32 and O += P V (WGMMA).
+key tile runs S = Q Kᵀ (WGMMA), an exp2 online softmax in float32 (scale and log2 e folded
+into exp2's argument: one FMA per logit) and O += P V (WGMMA, P from registers).
+
+Schedule (BlockSizes fields, each selectable so the variants can be timed against each other):
+* `pingpong` (FA3's warp scheduler barrier): the compute warpgroups take turns issuing GEMMs,
+  so one warpgroup's softmax runs under another's GEMMs. Warpgroup w waits on hardware named
+  barrier base + w before a block of GEMMs and signals base + (w + 1) % W after issuing it;
+  warpgroup 0 skips its first wait and the last warpgroup its last signal, which balances
+  every barrier (one range per CTA, so all warpgroups run the same number of blocks).
+* `intra_wg_overlap` (FA3's IntraWGOverlap): a prologue issues S_lo; step j issues S_j and
+  O += P_j-1 V_j-1 as one block, waits for S_j only (`wgmma_accumulator_load(wait_n=1)`), runs
+  softmax(S_j) while the P·V is in flight, then waits, releases V_j-1 and rescales O; an
+  epilogue issues the last P·V. Without it: S_j, softmax, P_j V_j, with the softmax finished
+  before the barriers and the next K awaited under the P·V (jax's attention_mgpu, tokamax).
+* `reuse_q_for_o`: O is staged in the warpgroup's Q buffer for the TMA store (Dqk == Dv), so
+  3 stages fit at d128 (`BlockSizes.smem_bytes` counts the bytes as Mosaic GPU does).
+* `lpt_order`: query tiles of each (head, batch) run last to first, the longest causal ones first.
+Compiled without Mosaic's automatic barriers (the kernel orders its own SMEM accesses) and
+without reduction scratch (row reductions of the WGMMA layout stay within a warp).
 
 Tile skipping: the key tiles of a query tile come from `band_kv_range` (the closed form of
 `kv_ranges`) evaluated on the traced tile index: tiles outside [lo, hi) are never loaded or
@@ -36,15 +54,17 @@ the natural-log convention of reference.py, sequence tails (wrapper padding), th
 cap, and the off-by-one and learnable sink softmax. Not implemented (NotImplementedError):
 head dims that are not multiples of 64 (the 128-byte swizzle), bias, dropout, segments, and
 the backward pass. Not yet done for speed: OOB-filled TMA loads instead of padded input
-copies, the ping-pong schedule barrier between the compute warpgroups, intra-warpgroup overlap
-of softmax with the next S GEMM, per-warpgroup ranges, a persistent LPT grid, Q/O SMEM
-aliasing and named barriers.
+copies (the padding only runs for tails), per-warpgroup ranges, a persistent grid, named
+barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale.
 
 Interpret mode (`interpret=True`, CPU): the Mosaic GPU interpreter in jax 0.11.2 cannot take a
 register operand as WGMMA's A, nor `pl.run_state` over an accumulator (it meets the discharged
 `wgmma` primitive). So there P goes through an SMEM buffer and each step's P·V goes into a fresh
-zero accumulator that is added to O (`_pv_from_smem`). On a GPU the kernel uses the FA3 form,
-P from registers accumulated in place (`_pv_from_registers`). Everything else is shared.
+zero accumulator that is added to O (`_pv_from_smem`), and the overlapped step issues its two
+GEMMs one after the other (`_pair_in_turn`). On a GPU the kernel uses the FA3 form, P from
+registers accumulated in place (`_pv_from_registers`, `_pair_in_flight`). Everything else,
+barriers and ping-pong turns included, is shared; the interpreter models the named barriers
+(a miscounted turn deadlocks there too). The GPU form is lowered on CPU by the tests.
 
 Example:
     >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 64), jnp.bfloat16)
@@ -65,9 +85,12 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
 from jaxtyping import Array, Float
 
-from flashmesh.attention.pallas_mosaic_gpu_common import SWIZZLE_BYTES, BlockSizes, band_kv_range
+from flashmesh.attention.pallas_mosaic_gpu_common import (SWIZZLE_BYTES, WARPGROUP, BlockSizes,
+                                                            band_kv_range)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, SOFTMAX_TYPES, AttentionInputs, AttentionSpec
 
 LOG2E = math.log2(math.e)
@@ -82,28 +105,78 @@ def _smem(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _pv_from_registers(acc, alpha, p16, v_tile, p_smem):
-    """O = alpha O + P V with P as WGMMA's register operand, accumulated in place (FA3)."""
+def _named_barrier(operation: str, num_threads: int):
+    """`bar.sync` / `bar.arrive` on the hardware named barrier given as a traced int32, over
+    num_threads threads (Mosaic GPU exposes named barriers only through inline PTX).
+
+    The function and closure names (bar_op, operation, num_threads) are the ones Mosaic GPU's
+    interpreter recognises as a named barrier (jaxpr_interpret.py), so interpret mode runs
+    the same schedule."""
+    if operation not in ("sync", "arrive"):
+        raise ValueError(f"operation={operation!r} must be 'sync' or 'arrive'")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def bar_op(_, barrier_id):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [barrier_id.registers[()]],
+                        f"bar.{operation} $0, {num_threads};", "r", has_side_effects=True)
+
+    return bar_op
+
+
+def _pv_from_registers(acc, p16, v_tile, p_smem, during):
+    """O += P V with P as WGMMA's register operand, accumulated in place (FA3); `during()` runs
+    while the GEMM is in flight."""
     del p_smem
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
     def mma(acc_ref):
         plgpu.wgmma(acc_ref, p16, v_tile)
+        during()
 
     return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
-def _pv_from_smem(acc, alpha, p16, v_tile, p_smem):
-    """O = alpha O + P V with P staged in SMEM and a fresh accumulator (what interpret mode runs)."""
+def _pv_from_smem(acc, p16, v_tile, p_smem, during):
+    """O += P V with P staged in SMEM and a fresh accumulator (what interpret mode runs)."""
     p_smem[...] = p16
     plgpu.commit_smem()  # make the generic-proxy stores visible to WGMMA's async proxy
 
     def mma(acc_ref):
         plgpu.wgmma(acc_ref, p_smem, v_tile)
+        during()
         return acc_ref[...]
 
-    pv = pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
-    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+    return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _pair_in_flight(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_issue, on_s):
+    """FA3's intra-warpgroup overlap: issue S = Q Kᵀ and O += P_prev V back to back, wait for
+    S only (`wait_n=1`: WGMMA groups complete in order), run `on_s(S)` while P·V is in flight;
+    then wait for P·V. `outs` holds arrays shaped like on_s's results (run_state refs)."""
+    del p_smem
+
+    def body(refs):
+        s_ref, o_ref, out_refs = refs
+        plgpu.wgmma(s_ref, q_tile, k_t)
+        plgpu.wgmma(o_ref, p_prev, v_tile)
+        after_issue()
+        for ref, x in zip(out_refs, on_s(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))):
+            ref[...] = x
+
+    _, acc, outs = pl.run_state(body)((plgpu.ACC.init(s_zero), plgpu.ACC.init(acc), outs))
+    return acc, outs
+
+
+def _pair_in_turn(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_issue, on_s):
+    """`_pair_in_flight` in the interpreter's form: S, then P·V through SMEM, then on_s(S)."""
+    del s_zero, outs
+
+    def qk(s_ref):
+        plgpu.wgmma(s_ref, q_tile, k_t)
+        return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((q_tile.shape[0], k_t.shape[1]), jnp.float32))
+    acc = _pv_from_smem(acc, p_prev, v_tile, p_smem, after_issue)
+    return acc, on_s(s)
 
 
 def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
@@ -112,15 +185,22 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
     # block multiples Tp, Sp); sink_ref [N, rows] f32 (the sink logit times log2 e) or None
     # out_ref [B, Tp, N, Dv], lse_ref [B, N, Tp] float32 (GMEM)
     # q_smem [W, rows, Dqk], k_smem [stages, block_kv, Dqk], v_smem [stages, block_kv, Dv],
-    # o_smem [W, rows, Dv], lse_smem [W, rows] f32, p_smem [W, rows, block_kv] or None,
-    # sink_smem [W, rows] f32 or None
+    # o_smem [W, rows, Dv] or None (O staged in q_smem), lse_smem [W, rows] f32,
+    # p_smem [W, rows, block_kv] or None, sink_smem [W, rows] f32 or None
     q_smem, k_smem, v_smem, o_smem, lse_smem, p_smem, sink_smem = smem
     q_ready, k_ready, v_ready, k_consumed, v_consumed, sink_ready = barriers
     W, rows, stages, bkv = bs.num_compute_wgs, bs.rows_per_wg, bs.num_stages, bs.block_kv
+    o_in_q = o_smem is None
+    o_smem = q_smem if o_in_q else o_smem
     dtype = jnp.dtype(spec.dtype)
-    q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    num_q_tiles = q_ref.shape[1] // bs.block_q
+    q_tile = lax.axis_index("q")
+    if bs.lpt_order:  # the longest (causal: last) query tiles of each head first
+        q_tile = num_q_tiles - 1 - q_tile
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    # One range per CTA, so both compute warpgroups consume every tile the producer loads.
+    # One range per CTA, so every compute warpgroup consumes every tile the producer loads
+    # (and the ping-pong turns pair up).
     r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
                       diagonal_offset=spec.diagonal_offset, block_q=bs.block_q, block_kv=bkv)
     lo, full_lo, full_hi, hi = r.lo, r.full_lo, r.full_hi, r.hi
@@ -132,38 +212,63 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
     def _compute():
         plgpu.set_max_registers(bs.compute_registers, action="increase")
         row0 = q_tile * bs.block_q + wg * rows
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_smem.at[wg],
-                                q_ready.at[wg])
+        q_wg = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_wg, q_ready.at[wg])
         if sink_ref is not None:
             plgpu.copy_gmem_to_smem(sink_ref.at[head], sink_smem.at[wg], sink_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
-        pv_step = _pv_from_smem if interpret else _pv_from_registers
-        p_tile = None if p_smem is None else p_smem.at[wg]
-        scale2 = spec.scale * LOG2E  # logits in log2 units: exp(x) = exp2(x log2 e), one FMA
+        pv = _pv_from_smem if interpret else _pv_from_registers
+        pair = _pair_in_turn if interpret else _pair_in_flight
+        p_wg = None if p_smem is None else p_smem.at[wg]
+        scale2 = spec.scale * LOG2E  # logits in log2 units: exp(x) = exp2(x log2 e)
         cap = spec.logits_soft_cap
+        # Fold scale2 into exp2's argument, exp2(s scale2 - m): one FMA per logit (FA3).
+        fold = cap is None and spec.scale > 0
         left, right = spec.window
         kv_tail = spec.kv_len % bkv != 0  # the last key tile holds padded columns past S
         has_sink = spec.softmax != "vanilla"
 
-        def kv_step(step, carry, *, masked: bool):
-            # Without a window or a key tail every tile is FULL.
-            masked = masked and (spec.has_window or kv_tail)
-            acc, m_i, l_i = carry
-            slot = slot_of(step)
-            plgpu.barrier_wait(k_ready.at[slot])
+        # Ping-pong (FA3's warp scheduler barrier): warpgroup w waits on named barrier
+        # base + w before issuing a block of GEMMs and then signals base + (w + 1) % W. Mosaic
+        # GPU owns barrier 0 and 1 + warpgroup index, so ours start after those.
+        base = W + 2
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
+        def turn_wait():
+            if bs.pingpong:
+                _named_barrier("sync", 2 * WARPGROUP)(base + wg)
 
-            s = pl.run_scoped(qk, plgpu.ACC((rows, bkv), jnp.float32))
+        def turn_signal():
+            if bs.pingpong:
+                _named_barrier("arrive", 2 * WARPGROUP)(base + lax.rem(wg + 1, jnp.int32(W)))
+
+        def first_turn_wait():  # warpgroup 0 issues the first block without waiting
+            pl.when(wg != 0)(turn_wait)
+
+        def last_turn_signal():  # the last warpgroup's last signal would have no taker
+            pl.when(wg != W - 1)(turn_signal)
+
+        def wait_k(step):
+            plgpu.barrier_wait(k_ready.at[slot_of(step)])
+
+        def qk(slot, during):
+            def mma(s_ref):
+                plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
+                during()
+                return s_ref[...]
+
+            s = pl.run_scoped(mma, plgpu.ACC((rows, bkv), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            if cap is None:
-                s = s * scale2
-            else:  # cap tanh(scale s / cap) in log2 units, tanh x = 1 - 2 / (exp(2x) + 1):
-                # exact at both ends, and finer than approx_math's tanh.approx (~2^-11).
+            return s
+
+        def softmax(s, m_i, l_i, step, masked: bool):
+            """Online softmax of one tile of raw logits s: (P in the input dtype, new m, new l,
+            alpha = exp2(m_old - m_new), the factor O must be rescaled by)."""
+            masked = masked and (spec.has_window or kv_tail)  # else every tile is FULL
+            if cap is not None:  # cap tanh(scale s / cap) in log2 units, tanh x = 1 - 2 /
+                # (exp(2x) + 1): exact at both ends, finer than approx_math's tanh.approx.
                 e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
                 s = (1.0 - 2.0 / (e + 1.0)) * (cap * LOG2E)
+            elif not fold:
+                s = s * scale2
             if masked:  # only the boundary tiles of [lo, hi) pay for the mask
                 i = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 0, layout=plgpu.Layout.WGMMA)
                 j = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 1, layout=plgpu.Layout.WGMMA)
@@ -177,20 +282,103 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
                 if kv_tail:  # padded keys past S get zero weight
                     visible.append(col < spec.kv_len)
                 s = jnp.where(functools.reduce(operator.and_, visible), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_tile = s.max(axis=1) * scale2 if fold else s.max(axis=1)
+            m_new = jnp.maximum(m_i, m_tile)
             if masked and not has_sink:  # with a sink m starts finite
                 # A row with no visible key so far keeps m = -inf; shift it by 0 instead, so
                 # exp2 gives exact zeros rather than NaN (-inf - -inf).
-                m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             else:
-                m_new_safe = m_new  # an unmasked tile gives every row a finite maximum
-            alpha = jnp.exp2(m_i - m_new_safe)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new_safe, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            plgpu.barrier_wait(v_ready.at[slot])
-            acc = pv_step(acc, alpha, p.astype(dtype), v_smem.at[slot], p_tile)
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, m_new, l_i
+                m_safe = m_new  # an unmasked tile gives every row a finite maximum
+            alpha = jnp.exp2(m_i - m_safe)
+            m_b = lax.broadcast_in_dim(m_safe, s.shape, [0])
+            p = jnp.exp2(s * scale2 - m_b) if fold else jnp.exp2(s - m_b)
+            l_new = l_i * alpha + p.sum(axis=1)
+            return p.astype(dtype), m_new, l_new, alpha
+
+        def rescale(acc, alpha):
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        def run_steps(step, carry):
+            """step(j, carry, masked) over [lo, hi) ([lo + 1, hi) after the overlap's
+            prologue): the masked boundary runs around the unmasked middle [full_lo, full_hi)."""
+            a = lo + 1 if bs.intra_wg_overlap else lo  # overlap: step lo is the prologue
+            b, c = jnp.maximum(a, full_lo), jnp.maximum(a, full_hi)
+            carry = lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
+            return lax.fori_loop(c, hi, functools.partial(step, masked=True), carry)
+
+        def plain_loop(acc, m_i, l_i):
+            # Per step: [S_j] turn_signal, softmax, turn_wait, [P_j V_j] (waits for K_j+1).
+            wait_k(lo)
+            first_turn_wait()
+
+            def step(j, carry, masked):
+                acc, m_i, l_i = carry
+                slot = slot_of(j)
+                s = qk(slot, turn_signal)
+                p16, m_i, l_i, alpha = softmax(s, m_i, l_i, j, masked)
+                # Finish the softmax before the barriers (jax's attention_mgpu and tokamax
+                # found this order much faster for head dims up to 128).
+                acc, p16, m_i, l_i = lax.optimization_barrier((rescale(acc, alpha), p16, m_i, l_i))
+                plgpu.barrier_wait(v_ready.at[slot])
+                turn_wait()
+                acc = pv(acc, p16, v_smem.at[slot], p_wg,
+                         lambda: pl.when(j + 1 < hi)(lambda: wait_k(j + 1)))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_i, l_i
+
+            acc, m_i, l_i = run_steps(step, (acc, m_i, l_i))
+            last_turn_signal()
+            return acc, m_i, l_i
+
+        def overlap_loop(acc, m_i, l_i):
+            # Prologue [S_lo]; step j: [S_j, P_j-1 V_j-1] with softmax(S_j) under P·V;
+            # epilogue [P_hi-1 V_hi-1]. Each [...] is one ping-pong turn.
+            s_zero = plgpu.layout_cast(jnp.zeros((rows, bkv), jnp.float32), plgpu.Layout.WGMMA)
+            wait_k(lo)
+            first_turn_wait()
+            s = qk(slot_of(lo), turn_signal)
+            p16, m_i, l_i, _ = softmax(s, m_i, l_i, lo, masked=True)  # acc is 0: no rescale
+
+            def step(j, carry, masked):
+                acc, m_i, l_i, p_prev = carry
+                slot, prev = slot_of(j), slot_of(j - 1)
+                wait_k(j)
+                plgpu.barrier_wait(v_ready.at[prev])
+                turn_wait()
+
+                def on_s(s):  # S_j is complete, P_j-1 V_j-1 may still run
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                    return softmax(s, m_i, l_i, j, masked)
+
+                acc, (p16, m_new, l_new, alpha) = pair(
+                    acc, s_zero, q_wg, k_smem.at[slot].transpose((1, 0)), p_prev,
+                    v_smem.at[prev], p_wg, (p_prev, m_i, l_i, m_i), turn_signal, on_s)
+                plgpu.barrier_arrive(v_consumed.at[prev])
+                return rescale(acc, alpha), m_new, l_new, p16
+
+            acc, m_i, l_i, p16 = run_steps(step, (acc, m_i, l_i, p16))
+            last = slot_of(hi - 1)
+            plgpu.barrier_wait(v_ready.at[last])
+            turn_wait()
+            acc = pv(acc, p16, v_smem.at[last], p_wg, last_turn_signal)
+            plgpu.barrier_arrive(v_consumed.at[last])
+            return acc, m_i, l_i
+
+        def store(acc, m_i, l_i):
+            seen = l_i > 0.0  # always true with a sink: an empty row gives 0 and lse = z
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)  # an empty row gives 0
+            o = rescale(acc, inv).astype(dtype)
+            log2_l = jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E
+            if o_in_q:  # a warpgroup barrier: every warp is past its last read of Q
+                plgpu.commit_smem()
+            o_smem.at[wg][...] = o
+            lse_smem.at[wg][...] = jnp.where(seen, (m_i + log2_l) * LN2, EMPTY_ROW_LSE)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[batch, pl.ds(row0, rows), head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, rows)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         acc = plgpu.layout_cast(jnp.zeros((rows, spec.v_dim), jnp.float32), plgpu.Layout.WGMMA)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -206,22 +394,16 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
                 plgpu.barrier_wait(sink_ready.at[wg])
                 m_i = plgpu.load(sink_smem.at[wg], layout=row_layout)
             l_i = plgpu.layout_cast(jnp.ones((rows,), jnp.float32), row_layout)
-        carry = (acc, m_i, l_i)
-        masked_step = lambda s, c: kv_step(s, c, masked=True)  # noqa: E731
-        full_step = lambda s, c: kv_step(s, c, masked=False)  # noqa: E731
-        carry = lax.fori_loop(lo, full_lo, masked_step, carry)
-        carry = lax.fori_loop(full_lo, full_hi, full_step, carry)
-        acc, m_i, l_i = lax.fori_loop(full_hi, hi, masked_step, carry)
+        plgpu.barrier_wait(q_ready.at[wg])
+        main_loop = overlap_loop if bs.intra_wg_overlap else plain_loop
 
-        seen = l_i > 0.0  # always true with a sink: an empty row gives 0 and lse = z
-        inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)  # an empty row gives exactly 0
-        o_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-        log2_l = jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E
-        lse_smem.at[wg][...] = jnp.where(seen, (m_i + log2_l) * LN2, EMPTY_ROW_LSE)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[batch, pl.ds(row0, rows), head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, rows)])
-        plgpu.wait_smem_to_gmem(0)
+        @pl.when(hi > lo)
+        def _():
+            store(*main_loop(acc, m_i, l_i))
+
+        @pl.when(hi <= lo)  # the tile sees no key: out 0, lse EMPTY_ROW_LSE or the sink
+        def _():
+            store(acc, m_i, l_i)
 
     @pl.when(wg == W)
     def _memory():
@@ -331,7 +513,7 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None,
         _smem((W, bs.rows_per_wg, spec.qk_dim), dtype),
         _smem((bs.num_stages, bs.block_kv, spec.qk_dim), dtype),
         _smem((bs.num_stages, bs.block_kv, spec.v_dim), dtype),
-        _smem((W, bs.rows_per_wg, spec.v_dim), dtype),
+        None if bs.o_reuses_q(spec) else _smem((W, bs.rows_per_wg, spec.v_dim), dtype),
         plgpu.SMEM((W, bs.rows_per_wg), jnp.float32),
         _smem((W, bs.rows_per_wg, bs.block_kv), dtype) if interpret else None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.float32) if sink_rows is not None else None,
@@ -366,8 +548,14 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None,
         grid=(Tp // bs.block_q, spec.num_heads, spec.batch),
         grid_names=("q", "heads", "batch"),
         num_threads=W + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        # No automatic barriers: the kernel orders its own SMEM accesses (commit_smem before
+        # every TMA store and before O overwrites Q). No reduction scratch: the only
+        # reductions are over a row of the WGMMA layout, within a warp.
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
+                                             reduction_scratch_bytes=0),
+        # The interpreter models named barriers (the ping-pong) only in its tokamax mode.
+        interpret=(plgpu.InterpretGPUParams(inline_mgpu="_hack_model_inline_mgpu_tokamax")
+                   if interpret else None),
     )(*inputs)
     return out[:, :spec.q_len], lse[:, :, :spec.q_len]
 

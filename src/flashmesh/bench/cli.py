@@ -251,9 +251,10 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
         results = (context.run if cp else layer_bench.run if layer else runner.run)(plan, config,
                                                                                   on_result=on_result)
     except KeyboardInterrupt:
-        results = list(done)
+        results = layer_bench.finish(list(done)) if layer else list(done)
         console.print(f"[yellow]interrupted after {len(results)} rows: writing the report of those[/]")
         meta["interrupted_after_rows"] = len(results)
+        report.write_json(directory / "results.json", meta, results, extra)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if cp:

@@ -164,8 +164,8 @@ def markdown(meta: dict, plan: Preset, results: list[LayerResult], plots: list[t
         "row's back-to-back step. The amax and scale arithmetic itself runs inside the step's backward "
         "(the new state is the cotangent).",
         "- **error**: relative L2 error ||x - ref|| / ||ref|| of the output, dx and the worst parameter "
-        "gradient (its denominator at least 1% of the whole gradient's norm apportioned to its size: "
-        "Flax attention's key-bias gradient is zero in exact arithmetic), with dropout off, on the "
+        "gradient (its denominator at least 1% of the whole gradient's norm apportioned to its size; "
+        "Flax attention's key-bias gradient, zero in exact arithmetic, is left out), with dropout off, on the "
         "row's own parameters (moved by noise) after the warm-up (so FP8 rows have a warmed state). "
         "Other rows against a float32 reference (matmuls at HIGHEST): the guide's plain Flax layer for "
         "the Flax-attention structure, a plain-JAX einsum layer for TransformerEngine's; their "

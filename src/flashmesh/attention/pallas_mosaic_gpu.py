@@ -1,0 +1,118 @@
+"""The `pallas_mosaic_gpu` implementation: flashmesh's own Hopper kernels in Pallas Mosaic GPU.
+
+Shape legend: B batch, T query length, S key length, N query heads, K key/value heads,
+Dqk / Dv head dims.
+
+Forward: `pallas_mosaic_gpu_sm90.forward_spec` (warp-specialised, TMA producer, exp2 online
+softmax, tile skipping from the band's tile ranges), tiles from `pallas_mosaic_gpu_common.
+default_for`. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
+band's query tiles and the group's query heads, and a dQ kernel), under one custom VJP here;
+an lse cotangent enters as delta - d_lse.
+
+Runs: band masks (causal, (left, right) windows, both diagonal alignments), any scale, GQA and
+MQA, Dqk != Dv, any T and S, logits soft cap, off-by-one and learnable sinks, bf16 / f16 on a
+compute-capability 9.0 GPU (H100 / H200). Not yet (the reason is returned): bias, dropout,
+segments and custom positions, head dims that are not multiples of 64 or above 192.
+
+Not in the automatic order yet (registry.AUTO_ORDER says when it joins); `explain` lists it.
+Measured on the H200 (diagnosis probe, benchmarks/results/2026-12-01-nvidia-h200-gpu-tests/
+probe_mosaic_2.log, 20 calls back to back, bf16): forward 0.97x cuDNN on causal_8k_h32_d128
+and 0.83x on seed000_gqa_swa (ping-pong, no intra-warpgroup overlap); forward + backward 1.22x
+cuDNN on the first and 0.75x on the second (that run's forward still had the overlap on).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
+
+from flashmesh.attention.spec import AttentionInputs, AttentionSpec
+
+DTYPES = ("bfloat16", "float16")
+MAX_HEAD_DIM = 192  # the backward's dK/dV accumulators: d256 exceeds the register budget
+
+
+def _device_reason() -> str | None:
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        return f"needs an NVIDIA GPU (the default device is {devices[0].platform})"
+    cc = getattr(devices[0], "compute_capability", None)
+    if cc != "9.0":
+        return (f"written for Hopper (compute capability 9.0, WGMMA and TMA); this GPU is "
+                f"{devices[0].device_kind} (compute capability {cc})")
+    return None
+
+
+def static_reason(spec: AttentionSpec) -> str | None:
+    """Why the kernels cannot run this call whatever the device, or None."""
+    features = [name for name, used in (
+        ("bias", spec.has_bias), ("dropout", spec.has_dropout),
+        ("segments", spec.segments is not None),
+        ("custom positions", not spec.positions_canonical)) if used]
+    if features:
+        return f"{', '.join(features)} not implemented in the Mosaic GPU kernels yet"
+    if spec.dtype not in DTYPES:
+        return f"dtype {spec.dtype}: the kernels take {' or '.join(DTYPES)} (WGMMA operands)"
+    for name, dim in (("Dqk", spec.qk_dim), ("Dv", spec.v_dim)):
+        if dim % 64 or dim > MAX_HEAD_DIM:
+            return (f"{name}={dim}: the kernels take multiples of 64 up to {MAX_HEAD_DIM} (128-byte "
+                    "swizzle; larger dims exceed the backward's register budget)")
+    return None
+
+
+def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = False) -> str | None:
+    del automatic  # runs every call it accepts at kernel speed
+    if platform != "gpu":
+        return f"needs an NVIDIA Hopper GPU (platform is {platform!r})"
+    return static_reason(spec) or _device_reason()
+
+
+def config(spec: AttentionSpec):
+    """(forward BlockSizes, backward BackwardBlockSizes) a call gets (shown by `explain`)."""
+    from flashmesh.attention import pallas_mosaic_gpu_common as common
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+
+    return common.default_for(spec, jax.devices()[0].device_kind), bwd.default_for(spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel(spec: AttentionSpec, q, k, v, sink):
+    from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+
+    return sm90.forward_spec(q, k, v, spec, sink=sink, block_sizes=config(spec)[0])
+
+
+def _kernel_fwd(spec, q, k, v, sink):
+    q, k, v, sink = custom_vjp_primal_tree_values((q, k, v, sink))
+    out, lse = _kernel(spec, q, k, v, sink)
+    return (out, lse), (q, k, v, sink, out, lse)
+
+
+def _kernel_bwd(spec, res, cts):
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+
+    q, k, v, sink, out, lse = res
+    d_out, d_lse = cts
+    if isinstance(d_out, SymbolicZero) and isinstance(d_lse, SymbolicZero):
+        return None, None, None, None
+    d_out = jnp.zeros_like(out) if isinstance(d_out, SymbolicZero) else d_out
+    d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
+    dq, dk, dv, dsink = bwd.backward_spec(q, k, v, out, lse, d_out.astype(q.dtype), spec, sink=sink,
+                                          d_lse=d_lse, block_sizes=config(spec)[1])
+    return dq, dk, dv, dsink
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd, symbolic_zeros=True)
+
+
+def attention(inputs: AttentionInputs, spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
+    """Returns (out [B, T, N, Dv] in q's dtype, lse [B, N, T] float32); NotImplementedError with
+    the reason for a call the kernels cannot run."""
+    reason = static_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(f"pallas_mosaic_gpu cannot run this call: {reason}")
+    sink = inputs.sink if spec.softmax == "learnable" else None
+    return _kernel(spec, inputs.q, inputs.k, inputs.v, sink)

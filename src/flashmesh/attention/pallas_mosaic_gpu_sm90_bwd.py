@@ -1,0 +1,654 @@
+"""Hopper (sm90) backward attention kernels in Pallas Mosaic GPU: dQ and dK/dV.
+
+Shape legend: B batch, T query length, S key length, N query heads, K key/value heads
+(G = N // K query heads per key/value head), Dqk / Dv head dims; W compute warpgroups per CTA.
+
+Math (FlashAttention-2, Dao 2023, Alg. 2; the residuals are the forward's out and lse):
+with c_ij the logit after scale and soft cap (masked: -inf) and lse_i the forward's
+log-sum-exp (the sink included), P_ij = exp(c_ij - lse_i), dV = Pᵀ dO, dP = dO Vᵀ,
+delta_i = rowsum(dO ∘ O) (= Σ_j P_ij dP_ij, a plain-JAX preprocess), dC = P ∘ (dP - delta),
+dS = dC ∘ (1 - tanh²) under the soft cap, dQ = scale dS K, dK = scale dSᵀ Q. A sink logit z
+has probability exp(z - lse) and no value, so dz = -exp(z - lse) delta (plain JAX).
+
+Two kernels, deterministic (no atomics), as tokamax's sm90 VJP and jax's attention_mgpu:
+* dK/dV (KV-stationary, FA2/FA3): grid (key tile, kv head, batch); each of W compute
+  warpgroups owns block_kv / W keys and keeps dK, dV in registers; the memory warpgroup streams
+  (Q, dO, lse, delta) tiles of block_q rows by TMA into a ring of num_stages SMEM slots, over the
+  G query heads of the group and, for each, only the query tiles of the key tile's band
+  (`band_q_range`). Per step, transposed so that Pᵀ and dSᵀ are WGMMA's register A operand:
+  Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ log2e - lse log2e),
+  dSᵀ = Pᵀ (dPᵀ - delta), then dV += Pᵀ dO and dK += dSᵀ Q (issued together).
+* dQ (Q-stationary): grid (query tile, query head, batch); each compute warpgroup owns
+  block_q_dq / W query rows; the memory warpgroup streams K and V tiles of block_kv_dq keys over
+  `band_kv_range`. Per step S = Q Kᵀ and dP = dO Vᵀ, then dQ += dS K (dS from registers).
+Tiles outside a band are never loaded or computed; tiles whose pairs are all visible (FULL)
+run without mask arithmetic. GQA sums dK/dV over the group's heads inside the kernel.
+
+Zero contributions, never NaN: padded query rows (T tail) carry q = dO = 0, lse = delta = 0, so
+P is finite and dV, dS get exactly 0 from them; padded keys (S tail) lie in the last key tile,
+never FULL, where they are masked. A query row that sees no key has -inf logits wherever it
+meets a tile (its tiles are never FULL), so P = 0 whatever its lse (EMPTY_ROW_LSE is finite).
+
+Interpret mode (`interpret=True`, CPU): the Mosaic GPU interpreter (jax 0.11.2) cannot take a
+register A operand nor `pl.run_state` over an accumulator, so there Pᵀ, dSᵀ and dS are stored
+to SMEM buffers and each GEMM accumulates into a fresh zero accumulator added afterwards
+(`_mma_from_smem`); on a GPU the register forms run (`_mma_from_registers`). Nothing else
+differs.
+
+Not implemented (NotImplementedError): bias, dropout, segments, head dims not multiples of 64
+(the 128-byte swizzle), dK/dV accumulators beyond the register budget (d256). Not yet done for
+speed: overlap of a step's GEMMs with the next step's (wgmma_wait(1)), ping-pong between
+warpgroups, a persistent LPT grid, OOB-filled TMA instead of padded copies,
+`unsafe_no_auto_barriers`, a fused single kernel with a dQ reduction (FA3's 5 GEMMs instead
+of 7).
+
+Example (sm90 = flashmesh.attention.pallas_mosaic_gpu_sm90, q/k/v/do as sm90.forward's):
+    >>> spec = sm90.spec_for(q, k, v, scale=0.125, window=(-1, 0))
+    >>> out, lse = sm90.forward_spec(q, k, v, spec, interpret=True)
+    >>> dq, dk, dv, dsink = backward_spec(q, k, v, out, lse, do, spec, interpret=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from flashmesh.attention.pallas_mosaic_gpu_common import (
+    REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range)
+from flashmesh.attention.pallas_mosaic_gpu_sm90 import DTYPES, LOG2E
+from flashmesh.attention.spec import SOFTMAX_TYPES, AttentionSpec
+
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
+SMEM_SLACK = 2048  # bytes of shared memory beyond the tiles: barriers, 1024-byte alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardBlockSizes:
+    """The backward kernels' tiles (defaults: FA3's 64 x 128 for d128; untuned on an H200).
+
+    block_q, block_kv: the dK/dV kernel's query step (a multiple of 64: the N of Sᵀ, at most
+      256, and the K extent of dV += Pᵀ dO) and key tile per CTA (num_compute_wgs warpgroups
+      of block_kv / num_compute_wgs keys, each a multiple of 64).
+    block_q_dq, block_kv_dq: the dQ kernel's query tile per CTA (split like block_kv) and key
+      step (a multiple of 64, at most 256: the N of S and the K extent of dQ += dS K).
+    num_stages: SMEM ring slots of both kernels' streamed tiles (>= 1).
+    num_compute_wgs: compute warpgroups of both kernels, 1 or 2 (plus one memory warpgroup).
+    compute_registers, memory_registers: setmaxnreg per thread (multiples of 8 in [24, 256]).
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    block_q_dq: int = 128
+    block_kv_dq: int = 64
+    num_stages: int = 2
+    num_compute_wgs: int = 2
+    compute_registers: int = 232
+    memory_registers: int = 40
+
+    def __post_init__(self):
+        def check(name, ok, expected):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not ok(value):
+                raise ValueError(f"BackwardBlockSizes.{name}={value!r} must be {expected}")
+
+        check("num_compute_wgs", lambda w: w in (1, 2), "1 or 2")
+        rows = WGMMA_M * self.num_compute_wgs
+        for name in ("block_kv", "block_q_dq"):
+            check(name, lambda b: b > 0 and b % rows == 0,
+                  f"a positive multiple of 64 * num_compute_wgs = {rows}")
+        for name in ("block_q", "block_kv_dq"):
+            check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
+        check("num_stages", lambda s: s >= 1, ">= 1")
+        for name in ("compute_registers", "memory_registers"):
+            check(name, lambda r: 24 <= r <= 256 and r % 8 == 0, "a multiple of 8 in [24, 256]")
+        per_thread = self.compute_registers * self.num_compute_wgs + self.memory_registers
+        if per_thread * WARPGROUP > REGISTERS_PER_SM:
+            raise ValueError(
+                f"BackwardBlockSizes.compute_registers={self.compute_registers} * num_compute_wgs="
+                f"{self.num_compute_wgs} + memory_registers={self.memory_registers} must be at "
+                f"most {REGISTERS_PER_SM // WARPGROUP}, got {per_thread}")
+
+    def smem_bytes(self, spec: AttentionSpec) -> dict[str, int]:
+        """Shared memory of each kernel on a GPU: {"dkv": K, V tiles + the ring of Q, dO, lse,
+        delta; "dq": Q, dO, lse, delta + the ring of K, V} (the epilogues reuse K/V and Q),
+        plus SMEM_SLACK for the barriers and alignment (Mosaic's count, from lowering for
+        cuda, exceeded the tiles alone by 192 to 1632 bytes)."""
+        size, d = jnp.dtype(spec.dtype).itemsize, spec.qk_dim + spec.v_dim
+        row = size * d + 8  # a Q and a dO row, and float32 lse and delta
+        dkv = self.num_stages * self.block_q * row + size * self.block_kv * d
+        dq = self.block_q_dq * row + self.num_stages * self.block_kv_dq * size * d
+        return {"dkv": dkv + SMEM_SLACK, "dq": dq + SMEM_SLACK}
+
+    def registers(self, spec: AttentionSpec) -> dict[str, int]:
+        """Accumulator registers per compute thread: dK/dV kernel Sᵀ, dPᵀ, dK, dV; dQ kernel
+        S, dP, dQ (float32, 64-row WGMMA tiles spread over a warpgroup's 128 threads)."""
+        kv_rows = self.block_kv // self.num_compute_wgs
+        q_rows = self.block_q_dq // self.num_compute_wgs
+        return {"dkv": kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP,
+                "dq": q_rows * (2 * self.block_kv_dq + spec.qk_dim) // WARPGROUP}
+
+    def validate_for(self, spec: AttentionSpec) -> "BackwardBlockSizes":
+        """self, checked against a call (ValueError naming the field that does not fit)."""
+        step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
+        for name in ("block_q", "block_kv_dq"):
+            if getattr(self, name) % step:
+                raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)} must be a "
+                                 f"multiple of {step} for {spec.dtype} (a GEMM's K extent)")
+        for kernel, regs in self.registers(spec).items():
+            if regs > self.compute_registers:
+                raise ValueError(
+                    f"BackwardBlockSizes: the {kernel} kernel's accumulators need {regs} registers "
+                    f"per thread for qk_dim={spec.qk_dim}, v_dim={spec.v_dim}, more than "
+                    f"compute_registers={self.compute_registers}; use smaller blocks")
+        for kernel, smem in self.smem_bytes(spec).items():
+            if smem > SMEM_BYTES:
+                raise ValueError(
+                    f"BackwardBlockSizes(num_stages={self.num_stages}, ...): the {kernel} kernel "
+                    f"needs {smem} bytes of shared memory for qk_dim={spec.qk_dim}, v_dim="
+                    f"{spec.v_dim}, {spec.dtype}; at most {SMEM_BYTES}")
+        return self
+
+
+def default_for(spec: AttentionSpec) -> BackwardBlockSizes:
+    """The untuned default: 64 x 128 dK/dV tiles and 128 x 64 dQ tiles with 2 warpgroups,
+    3 stages where they fit, else 2, else 1; NotImplementedError if nothing fits (d256)."""
+    bs = None
+    for stages in (3, 2, 1):
+        bs = BackwardBlockSizes(num_stages=stages)
+        if all(b <= SMEM_BYTES for b in bs.smem_bytes(spec).values()):
+            break
+    if any(r > bs.compute_registers for r in bs.registers(spec).values()):
+        raise NotImplementedError(f"qk_dim={spec.qk_dim}, v_dim={spec.v_dim}: the dK/dV "
+                                  "accumulators exceed the register budget (no d-split yet)")
+    return bs.validate_for(spec)
+
+
+def band_q_range(kv_tile, *, q_len: int, kv_len: int, window: tuple[int, int],
+                 diagonal_offset: int, block_q: int, block_kv: int) -> TileRanges:
+    """`q_ranges` of key tile(s) `kv_tile` (int, numpy or traced int32) in closed form, for a
+    band mask (query i at position i + diagonal_offset sees key j iff 0 <= j < kv_len and
+    -right <= i + diagonal_offset - j <= left): the transpose of `band_kv_range`.
+
+    The queries that see a key tile form one interval: [j0 - off - right, j1 - off + left]
+    clipped to [0, T), with j0/j1 its first/last real key. A query tile is FULL iff the key
+    tile has no column past S, its first row is >= j0 + block_kv - 1 - off - right and its last
+    real row (< T) is <= j0 - off + left.
+    """
+    traced = isinstance(kv_tile, jax.Array) and not isinstance(kv_tile, np.ndarray)
+    xp = jnp if traced else np
+    left, right = window
+    off, nq = diagonal_offset, -(-q_len // block_q)
+    kv_tile = xp.asarray(kv_tile)
+    j0 = kv_tile * block_kv
+    j1 = xp.minimum(j0 + block_kv, kv_len) - 1
+    zero = xp.zeros_like(j0)
+    i_lo = xp.maximum(j0 - off - right, 0) if right >= 0 else zero
+    i_hi = xp.minimum(j1 - off + left, q_len - 1) if left >= 0 else xp.full_like(j0, q_len - 1)
+    seen = (i_lo <= i_hi) & (j0 < kv_len)
+    lo, hi = i_lo // block_q, i_hi // block_q + 1
+    f_lo = xp.maximum(-((off + right + 1 - j0 - block_kv) // block_q), 0) if right >= 0 else zero
+    if left >= 0:
+        x = j0 - off + left  # the last row that still sees the tile's first key
+        f_hi = xp.where(q_len - 1 <= x, nq, xp.minimum((x + 1) // block_q, nq - 1))
+    else:
+        f_hi = xp.full_like(j0, nq)
+    has_full = seen & (f_lo < f_hi) & (j0 + block_kv <= kv_len)
+    lo, hi = xp.where(seen, lo, zero), xp.where(seen, hi, zero)
+    f_lo, f_hi = xp.where(has_full, f_lo, lo), xp.where(has_full, f_hi, lo)
+    return TileRanges(*(x.astype(np.int32) for x in (lo, f_lo, f_hi, hi)))
+
+
+# -- pieces shared by both kernels ----------------------------------------------------------------
+
+def _smem(shape, dtype):
+    """SMEM tile with the 128-byte swizzle WGMMA wants (as the forward's; both could live in
+    the common module)."""
+    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _pad_to(x, axis: int, multiple: int):
+    extra = -x.shape[axis] % multiple
+    return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
+
+
+def _logits2(s, spec: AttentionSpec):
+    """Raw q.k -> (logits in log2 units, d logit / d (scale q.k) or None): the forward's
+    arithmetic exactly (cap tanh(scale s / cap), tanh x = 1 - 2 / (exp(2x) + 1)), so P
+    recomputed here matches the lse it wrote."""
+    cap = spec.logits_soft_cap
+    if cap is None:
+        return s * (spec.scale * LOG2E), None
+    e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
+    t = 1.0 - 2.0 / (e + 1.0)
+    return t * (cap * LOG2E), 1.0 - t * t
+
+
+def _mask(s2, q_pos, key, spec: AttentionSpec, kv_tail: bool):
+    """s2 with -inf where query position q_pos does not see key index key (same shapes)."""
+    left, right = spec.window
+    d = q_pos - key
+    visible = []
+    if left >= 0:
+        visible.append(d <= left)
+    if right >= 0:
+        visible.append(d >= -right)
+    if kv_tail:  # padded keys past S get zero weight
+        visible.append(key < spec.kv_len)
+    return jnp.where(functools.reduce(operator.and_, visible), s2, -jnp.inf)
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _two_products(a1, b1, a2, b2, shape1, shape2):
+    """(a1 b1, a2 b2) of SMEM operands, both issued before either is awaited."""
+    def mma(acc1, acc2):
+        plgpu.wgmma(acc1, a1, b1)
+        plgpu.wgmma(acc2, a2, b2)
+        return acc1[...], acc2[...]
+
+    return pl.run_scoped(mma, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
+
+
+def _mma_from_registers(accs, lhs, rhs, staging):
+    """acc_i += lhs_i rhs_i with the lhs in registers as WGMMA's A, in place (FA3's RS GEMMs)."""
+    del staging
+
+    def mma(acc_refs):
+        for acc_ref, a, b in zip(acc_refs, lhs, rhs):
+            plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(mma)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+def _mma_from_smem(accs, lhs, rhs, staging):
+    """The interpreter's form: the lhs stored to SMEM, fresh accumulators added afterwards."""
+    for buf, a in zip(staging, lhs):
+        buf[...] = a
+    plgpu.commit_smem()  # make the generic-proxy stores visible to WGMMA's async proxy
+
+    def mma(*acc_refs):
+        for acc_ref, buf, b in zip(acc_refs, staging, rhs):
+            plgpu.wgmma(acc_ref, buf, b)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    products = pl.run_scoped(mma, *(plgpu.ACC(acc.shape, jnp.float32) for acc in accs))
+    return tuple(acc + prod for acc, prod in zip(accs, products))
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _ring_drain(consumed, slot_of, total, stages):
+    """Wait for the release of the last (up to `stages`) slots, so every phase of the
+    consumed barriers is observed exactly once (the interpreter checks it)."""
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _(step):
+        for barrier in consumed:
+            plgpu.barrier_wait(barrier.at[slot_of(step)])
+
+
+# -- the dK/dV kernel ---------------------------------------------------------------------------
+
+def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem, barriers,
+                *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
+    # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk],
+    # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32 (GMEM)
+    # k_smem [W, rows, Dqk], v_smem [W, rows, Dv] (this CTA's keys; then dK, dV's epilogue),
+    # q_smem [stages, bq, Dqk], do_smem [stages, bq, Dv], lse_smem, delta_smem [stages, bq] f32,
+    # pt_smem, dst_smem [W, rows, bq] (interpret only, else None)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem = smem
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed = barriers
+    W, stages, bq, G = bs.num_compute_wgs, bs.num_stages, bs.block_q, spec.group_size
+    rows = bs.block_kv // W
+    dtype = jnp.dtype(spec.dtype)
+    kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    r = band_q_range(kv_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                     diagonal_offset=spec.diagonal_offset, block_q=bq, block_kv=bs.block_kv)
+    count = r.hi - r.lo  # query tiles per query head; G * count steps in all
+
+    def slot_of(step):
+        return lax.rem(step, jnp.int32(stages))
+
+    @pl.when(wg < W)
+    def _compute():
+        plgpu.set_max_registers(bs.compute_registers, action="increase")
+        key0 = kv_tile * bs.block_kv + wg * rows
+        kv_rows = (batch, pl.ds(key0, rows), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[wg], k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[wg], v_ready.at[wg])
+        plgpu.barrier_wait(k_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
+        accumulate = _mma_from_smem if interpret else _mma_from_registers
+        staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
+        kv_tail = spec.kv_len % bs.block_kv != 0
+
+        def q_step(q_tile, carry, *, g, masked: bool):
+            masked = masked and (spec.has_window or kv_tail)
+            dk, dv = carry
+            slot = slot_of(g * count + q_tile - r.lo)
+            for barrier in (q_ready, do_ready, lse_ready, delta_ready):
+                plgpu.barrier_wait(barrier.at[slot])
+            q_tile_s, do_tile = q_smem.at[slot], do_smem.at[slot]
+            st, dpt = _two_products(k_smem.at[wg], q_tile_s.transpose((1, 0)),
+                                    v_smem.at[wg], do_tile.transpose((1, 0)),
+                                    (rows, bq), (rows, bq))
+            st2, dcap = _logits2(st, spec)
+            if masked:  # rows are keys, columns queries
+                key = _iota((rows, bq), 0) + key0
+                q_pos = _iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
+                st2 = _mask(st2, q_pos, key, spec, kv_tail)
+            lse = plgpu.load(lse_smem.at[slot], layout=COL)
+            delta = plgpu.load(delta_smem.at[slot], layout=COL)
+            pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
+            dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
+            if dcap is not None:
+                dst = dst * dcap
+            dk, dv = accumulate((dk, dv), (dst.astype(dtype), pt.astype(dtype)),
+                                (q_tile_s, do_tile), staging)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dk, dv
+
+        def head(g, carry):  # the group's query heads share the band, so one range serves all
+            masked_step = functools.partial(q_step, g=g, masked=True)
+            full_step = functools.partial(q_step, g=g, masked=False)
+            carry = lax.fori_loop(r.lo, r.full_lo, masked_step, carry)
+            carry = lax.fori_loop(r.full_lo, r.full_hi, full_step, carry)
+            return lax.fori_loop(r.full_hi, r.hi, masked_step, carry)
+
+        zeros = (_zeros((rows, spec.qk_dim)), _zeros((rows, spec.v_dim)))
+        dk, dv = lax.fori_loop(0, G, head, zeros)
+        # K and V are no longer read (their last GEMMs were awaited): their SMEM takes dK, dV.
+        k_smem.at[wg][...] = (dk * spec.scale).astype(dtype)
+        v_smem.at[wg][...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[kv_rows])
+        plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == W)
+    def _memory():
+        plgpu.set_max_registers(bs.memory_registers, action="decrease")
+        per_head = jnp.maximum(count, 1)
+
+        @pl.loop(0, G * count)
+        def _(step):
+            g, q_tile = lax.div(step, per_head), r.lo + lax.rem(step, per_head)
+            head = kv_head * G + g
+            slot = slot_of(step)
+            q_rows = (batch, pl.ds(q_tile * bq, bq), head)
+            stats = (batch, head, pl.ds(q_tile * bq, bq))
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_ready.at[slot])
+
+        _ring_drain((consumed,), slot_of, G * count, stages)
+
+
+# -- the dQ kernel ------------------------------------------------------------------------------
+
+def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, barriers, *,
+               spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
+    # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk],
+    # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32 (GMEM)
+    # q_smem [W, rows, Dqk] (then dQ's epilogue), do_smem [W, rows, Dv], lse_smem,
+    # delta_smem [W, rows] f32, k_smem [stages, bkv, Dqk], v_smem [stages, bkv, Dv],
+    # ds_smem [W, rows, bkv] (interpret only, else None)
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem = smem
+    q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready, k_consumed, v_consumed = barriers
+    W, stages, bkv = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq
+    rows = bs.block_q_dq // W
+    dtype = jnp.dtype(spec.dtype)
+    q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                      diagonal_offset=spec.diagonal_offset, block_q=bs.block_q_dq, block_kv=bkv)
+
+    def slot_of(step):
+        return lax.rem(step - r.lo, jnp.int32(stages))
+
+    @pl.when(wg < W)
+    def _compute():
+        plgpu.set_max_registers(bs.compute_registers, action="increase")
+        row0 = q_tile * bs.block_q_dq + wg * rows
+        q_rows, stats = (batch, pl.ds(row0, rows), head), (batch, head, pl.ds(row0, rows))
+        plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[wg], q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[wg], do_ready.at[wg])
+        plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_ready.at[wg])
+        plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
+        for barrier in (q_ready, do_ready, lse_ready, delta_ready):
+            plgpu.barrier_wait(barrier.at[wg])
+        lse = plgpu.load(lse_smem.at[wg], layout=ROW)
+        delta = plgpu.load(delta_smem.at[wg], layout=ROW)
+        accumulate = _mma_from_smem if interpret else _mma_from_registers
+        staging = None if ds_smem is None else (ds_smem.at[wg],)
+        kv_tail = spec.kv_len % bkv != 0
+
+        def kv_step(step, dq, *, masked: bool):
+            masked = masked and (spec.has_window or kv_tail)
+            slot = slot_of(step)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            k_tile = k_smem.at[slot]
+            s, dp = _two_products(q_smem.at[wg], k_tile.transpose((1, 0)),
+                                  do_smem.at[wg], v_smem.at[slot].transpose((1, 0)),
+                                  (rows, bkv), (rows, bkv))
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            s2, dcap = _logits2(s, spec)
+            if masked:
+                key = _iota((rows, bkv), 1) + step * bkv
+                q_pos = _iota((rows, bkv), 0) + (row0 + spec.diagonal_offset)
+                s2 = _mask(s2, q_pos, key, spec, kv_tail)
+            p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
+            ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
+            if dcap is not None:
+                ds = ds * dcap
+            (dq,) = accumulate((dq,), (ds.astype(dtype),), (k_tile,), staging)
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            return dq
+
+        dq = _zeros((rows, spec.qk_dim))
+        dq = lax.fori_loop(r.lo, r.full_lo, functools.partial(kv_step, masked=True), dq)
+        dq = lax.fori_loop(r.full_lo, r.full_hi, functools.partial(kv_step, masked=False), dq)
+        dq = lax.fori_loop(r.full_hi, r.hi, functools.partial(kv_step, masked=True), dq)
+        q_smem.at[wg][...] = (dq * spec.scale).astype(dtype)  # Q is no longer read
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[q_rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == W)
+    def _memory():
+        plgpu.set_max_registers(bs.memory_registers, action="decrease")
+        kv_head = lax.div(head, jnp.int32(spec.group_size))
+
+        @pl.loop(r.lo, r.hi)
+        def _(step):
+            slot, reuse = slot_of(step), step - r.lo >= stages
+            kv_rows = (batch, pl.ds(step * bkv, bkv), kv_head)
+
+            @pl.when(reuse)
+            def _():
+                plgpu.barrier_wait(k_consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
+
+            @pl.when(reuse)
+            def _():
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
+
+        _ring_drain((k_consumed, v_consumed), lambda s: slot_of(s + r.lo), r.hi - r.lo, stages)
+
+
+# -- the wrapper --------------------------------------------------------------------------------
+
+def check(spec: AttentionSpec, bs: BackwardBlockSizes) -> None:
+    """NotImplementedError for a call these kernels cannot run, ValueError for a bad tile."""
+    features = {"bias": spec.has_bias, "dropout": spec.has_dropout,
+                "segments": spec.segments is not None}
+    if missing := [name for name, used in features.items() if used]:
+        raise NotImplementedError(f"pallas_mosaic_gpu_sm90 backward: {', '.join(missing)} not "
+                                  "implemented yet (band masks only, as the forward)")
+    if spec.softmax not in SOFTMAX_TYPES:
+        raise ValueError(f"softmax={spec.softmax!r} must be one of {SOFTMAX_TYPES}")
+    if spec.logits_soft_cap is not None and not spec.logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={spec.logits_soft_cap!r} must be positive or None")
+    if spec.dtype not in DTYPES:
+        raise NotImplementedError(f"dtype={spec.dtype}: the kernels take {DTYPES}")
+    step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
+    for name, dim in (("qk_dim", spec.qk_dim), ("v_dim", spec.v_dim)):
+        if dim % step or dim > 256:
+            raise NotImplementedError(f"{name}={dim}: must be a multiple of {step} of at most 256 "
+                                      f"for {spec.dtype} (128-byte swizzle, WGMMA's N)")
+    bs.validate_for(spec)
+
+
+def _check_arrays(q, k, v, out, lse, do, spec: AttentionSpec, sink):
+    B, T, S, N, K = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads
+    expected = {"q": (q, (B, T, N, spec.qk_dim)), "k": (k, (B, S, K, spec.qk_dim)),
+                "v": (v, (B, S, K, spec.v_dim)), "out": (out, (B, T, N, spec.v_dim)),
+                "do": (do, (B, T, N, spec.v_dim)), "lse": (lse, (B, N, T))}
+    for name, (x, shape) in expected.items():
+        if x.shape != shape:
+            raise ValueError(f"{name}.shape={x.shape} must be {shape} (from the spec)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != jnp.dtype(spec.dtype):
+            raise ValueError(f"{name}.dtype={x.dtype} must be spec.dtype={spec.dtype}")
+    if lse.dtype != jnp.float32:
+        raise ValueError(f"lse.dtype={lse.dtype} must be float32")
+    if spec.softmax == "learnable":
+        if sink is None or sink.shape != (N,):
+            raise ValueError(f"softmax='learnable' needs sink of shape ({N},), got "
+                             f"{None if sink is None else sink.shape}")
+    elif sink is not None:
+        raise ValueError(f"sink must be None for softmax={spec.softmax!r}")
+
+
+def _launch(kernel, inputs, out_type, smem, barriers, grid, grid_names, bs, interpret):
+    """plgpu.kernel over `grid` with W compute + 1 memory warpgroup; None scratch entries are
+    passed through as None."""
+    n_smem = len(smem)
+
+    def entry(*refs):
+        def body(*scratch):
+            it = iter(scratch)
+            allocated = [None if a is None else next(it) for a in smem + barriers]
+            kernel(*refs, allocated[:n_smem], allocated[n_smem:])
+
+        pl.run_scoped(body, *[a for a in smem + barriers if a is not None], collective_axes="wg")
+
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=grid, grid_names=grid_names,
+        num_threads=bs.num_compute_wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params(interpret),
+    )(*inputs)
+
+
+def _interpret_params(interpret):
+    """True: the interpreter's defaults; an InterpretGPUParams (e.g. detect_races=True) as is."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _dkv(q, k, v, do, lse2, delta, spec, bs, interpret):
+    W, stages, bq, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_q, jnp.dtype(spec.dtype)
+    rows = bs.block_kv // W
+    smem = [_smem((W, rows, spec.qk_dim), dtype), _smem((W, rows, spec.v_dim), dtype),
+            _smem((stages, bq, spec.qk_dim), dtype), _smem((stages, bq, spec.v_dim), dtype),
+            plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
+            _smem((W, rows, bq), dtype) if interpret else None,
+            _smem((W, rows, bq), dtype) if interpret else None]
+    barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
+    barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
+    barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
+    kernel = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret)
+    out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+    grid = (k.shape[1] // bs.block_kv, spec.num_kv_heads, spec.batch)
+    return _launch(kernel, (q, k, v, do, lse2, delta), out_type, smem, barriers, grid,
+                   ("kv", "heads", "batch"), bs, interpret)
+
+
+def _dq(q, k, v, do, lse2, delta, spec, bs, interpret):
+    W, stages, bkv, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq, jnp.dtype(spec.dtype)
+    rows = bs.block_q_dq // W
+    smem = [_smem((W, rows, spec.qk_dim), dtype), _smem((W, rows, spec.v_dim), dtype),
+            plgpu.SMEM((W, rows), jnp.float32), plgpu.SMEM((W, rows), jnp.float32),
+            _smem((stages, bkv, spec.qk_dim), dtype), _smem((stages, bkv, spec.v_dim), dtype),
+            _smem((W, rows, bkv), dtype) if interpret else None]
+    barriers = [plgpu.Barrier(num_barriers=W) for _ in range(4)]
+    barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(2)]
+    barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) for _ in range(2)]
+    kernel = functools.partial(_kernel_dq, spec=spec, bs=bs, interpret=interpret)
+    grid = (q.shape[1] // bs.block_q_dq, spec.num_heads, spec.batch)
+    return _launch(kernel, (q, k, v, do, lse2, delta), jax.ShapeDtypeStruct(q.shape, dtype), smem,
+                   barriers, grid, ("q", "heads", "batch"), bs, interpret)
+
+
+def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_lse=None,
+                  block_sizes: BackwardBlockSizes | None = None,
+                  interpret: bool | plgpu.InterpretGPUParams = False):
+    """The gradients of `forward_spec(q, k, v, spec, sink=sink)` at cotangent `do`.
+
+    Args:
+      q [B, T, N, Dqk], k [B, S, K, Dqk], v [B, S, K, Dv]: what the forward took (bf16/f16).
+      out [B, T, N, Dv], lse [B, N, T] float32: what it returned (natural-log lse with the sink
+        included; EMPTY_ROW_LSE for vanilla rows that see no key).
+      do [B, T, N, Dv]: the cotangent of out.
+      d_lse [B, N, T] float32 or None: the cotangent of lse. It adds d_lse_i p_ij to dS_ij,
+        which is delta_i - d_lse_i in place of delta_i (and the same for the sink).
+      spec: the forward's spec; sink: float32 [N] for softmax="learnable", else None.
+      block_sizes: `default_for(spec)` when None; T and S need not be block multiples.
+      interpret: run in Mosaic GPU's interpreter on CPU (see the module doc); an
+        `plgpu.InterpretGPUParams` runs it with those settings (e.g. detect_races=True).
+    Returns:
+      (dq [B, T, N, Dqk] in q's dtype, dk [B, S, K, Dqk], dv [B, S, K, Dv] in k's and v's dtype,
+      dsink float32 [N] for softmax="learnable", else None). Rows that see no key get zero
+      gradient.
+    """
+    bs = default_for(spec) if block_sizes is None else block_sizes
+    check(spec, bs)
+    _check_arrays(q, k, v, out, lse, do, spec, sink)
+    delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
+    if d_lse is not None:
+        if d_lse.shape != lse.shape:
+            raise ValueError(f"d_lse.shape={d_lse.shape} must be lse's {lse.shape}")
+        delta = delta - d_lse.astype(jnp.float32)
+    dsink = None
+    if spec.softmax == "learnable":
+        # The sink's probability exp(z - lse) times its (zero) dP minus delta, summed over b, t.
+        p_sink = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse)
+        dsink = -jnp.sum(p_sink * delta, axis=(0, 2))
+    # Tails: zero-pad T and S to multiples of both kernels' tiles. Padded query rows get
+    # q = dO = lse = delta = 0 (finite P, exactly zero dS and dV terms); padded keys are masked.
+    q_mult, kv_mult = np.lcm(bs.block_q, bs.block_q_dq), np.lcm(bs.block_kv, bs.block_kv_dq)
+    qp, dop = _pad_to(q, 1, int(q_mult)), _pad_to(do.astype(q.dtype), 1, int(q_mult))
+    kp, vp = _pad_to(k, 1, int(kv_mult)), _pad_to(v, 1, int(kv_mult))
+    lse2 = _pad_to(lse * jnp.float32(LOG2E), 2, int(q_mult))
+    delta = _pad_to(delta, 2, int(q_mult))
+    dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, spec, bs, interpret)
+    dq = _dq(qp, kp, vp, dop, lse2, delta, spec, bs, interpret)
+    S, T = spec.kv_len, spec.q_len
+    return dq[:, :T], dk[:, :S], dv[:, :S], dsink

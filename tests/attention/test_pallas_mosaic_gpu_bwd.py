@@ -1,0 +1,276 @@
+"""The Hopper backward kernels (pallas_mosaic_gpu_sm90_bwd) against autodiff of the reference.
+
+dq, dk, dv (and dsink) come from `backward_spec` at random cotangents, given the forward's out
+and lse from the float32 reference (so the backward is tested alone), and are compared with
+`jax.vjp` of `reference.attention` on the float32-upcast inputs. On CPU the kernels run in
+Mosaic GPU's interpreter (tiny shapes; its race detector on for some cases); the `gpu`-marked
+copies run the same cases compiled, plus a few larger ones with the default tiles. Without a
+GPU, the compiled path is still lowered through Mosaic GPU for cuda (register operands, SMEM
+count), and the closed-form query ranges are checked against `q_ranges`.
+
+Cases: no mask, causal (several tiles: skipped, masked and unmasked), causal GQA, a left window
+with key tiles no query sees (exactly zero dk, dv, never loaded), a two-sided window with MQA,
+bottom-right T != S, tails (T, S not tile multiples), rows that see no key (exactly zero dq, no
+NaN), soft cap, off-by-one and learnable sinks (dsink), MLA dims 128/64 in f16.
+
+Tolerance: relative L2 error per gradient <= 1e-2 for bf16 (2e-3 for f16) against float32, with
+the worst element printed; the kernels' error is the bf16 rounding of P, dS and the outputs
+(about 2.5e-3 measured), a wrong mask or range gives O(1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+from flashmesh.attention import reference
+from flashmesh.attention.pallas_mosaic_gpu_common import q_ranges
+from flashmesh.attention.spec import AttentionInputs
+
+BBS = bwd.BackwardBlockSizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    T: int = 128
+    S: int = 128
+    N: int = 2
+    K: int = 2
+    Dqk: int = 64
+    Dv: int = 64
+    window: tuple[int, int] = (-1, -1)
+    bottom_right: bool = False
+    dtype: str = "bfloat16"
+    cap: float | None = None
+    softmax: str = "vanilla"
+    blocks: BBS | None = BBS(num_stages=2)  # None: default_for
+    races: bool = False  # run the interpreter's race detector
+
+
+ONE_WG = BBS(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, num_stages=2,
+             num_compute_wgs=1)
+CASES = [  # race detection (about 2x slower in the interpreter) on the cases marked races=True
+    Case("full_tails", T=200, S=136, N=1, K=1, blocks=None, races=True),  # default_for tiles
+    # 4 x 4 tiles: skipped, masked and unmasked ones, and G = 2 query heads per dK/dV CTA.
+    Case("causal_gqa", T=256, S=256, N=2, K=1, window=(-1, 0), blocks=ONE_WG),
+    # Keys past 127 are seen by no query: their tiles are skipped and get exactly zero.
+    Case("window_left_unseen_keys", T=128, S=256, N=1, K=1, window=(40, 0), blocks=ONE_WG),
+    Case("window_both_sides_mqa", N=2, K=1, window=(30, 20)),
+    Case("causal_bottom_right", T=128, S=256, N=1, K=1, window=(-1, 0), bottom_right=True),
+    # T > S bottom-right: the first 192 query rows see no key (a whole dQ tile has lo == hi).
+    Case("empty_rows", T=256, S=64, N=1, K=1, window=(-1, 0), bottom_right=True),
+    # Rows past 151 see no key but the window reaches padded keys 136..191: only their mask
+    # keeps P = exp2(0 - EMPTY_ROW_LSE) = inf out of dq.
+    Case("tails_window_soft_cap_empty_rows", T=256, S=136, N=1, K=1, window=(16, 0), cap=1.5,
+         blocks=ONE_WG),
+    Case("off_by_one_empty_rows", T=128, S=64, N=1, K=1, window=(-1, 0), bottom_right=True,
+         softmax="off_by_one", blocks=ONE_WG),
+    Case("learnable_cap_window_tails", T=72, S=200, K=1, window=(30, 10), cap=2.0,
+         softmax="learnable", blocks=ONE_WG),
+    Case("mla_f16_single_stage", N=1, K=1, Dqk=128, Dv=64, window=(-1, 0), dtype="float16",
+         blocks=dataclasses.replace(ONE_WG, num_stages=1), races=True),
+]
+GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps
+    Case("gpu_d128_causal_gqa", T=1024, S=1024, N=8, K=2, Dqk=128, Dv=128, window=(-1, 0),
+         blocks=None),
+    Case("gpu_mla_192_128_full", T=512, S=512, N=2, K=1, Dqk=192, Dv=128, blocks=None),
+    Case("gpu_d64_window_tails_br", T=1000, S=1100, N=4, K=4, window=(256, 0),
+         bottom_right=True, blocks=None),
+]
+
+
+def visible(case: Case) -> np.ndarray:
+    """bool [T, S], built here independently of masks.py."""
+    i = np.arange(case.T)[:, None] + (case.S - case.T if case.bottom_right else 0)
+    d = i - np.arange(case.S)[None, :]
+    vis = np.ones((case.T, case.S), bool)
+    if case.window[0] >= 0:
+        vis &= d <= case.window[0]
+    if case.window[1] >= 0:
+        vis &= d >= -case.window[1]
+    return vis
+
+
+def make_inputs(case: Case, seed: int = 0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    shapes = [(1, case.T, case.N, case.Dqk), (1, case.S, case.K, case.Dqk),
+              (1, case.S, case.K, case.Dv), (1, case.T, case.N, case.Dv)]
+    q, k, v, do = (jax.random.normal(key, shape, jnp.float32).astype(case.dtype)
+                   for key, shape in zip(ks, shapes))
+    sink = None
+    if case.softmax == "learnable":
+        sink = jax.random.uniform(ks[4], (case.N,), jnp.float32, -1.5, 1.5)
+    return q, k, v, do, sink
+
+
+def rel_l2(name: str, actual, expected, tol: float):
+    a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert a.shape == e.shape, (name, a.shape, e.shape)
+    assert np.isfinite(a).all(), f"{name}: {np.sum(~np.isfinite(a))} non-finite elements"
+    err = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
+    if err > tol:
+        idx = np.unravel_index(np.argmax(np.abs(a - e)), a.shape)
+        raise AssertionError(f"{name}: relative L2 error {err:.3g} > {tol:.3g}; worst at {idx}: "
+                             f"got {a[idx]!r}, expected {e[idx]!r}")
+
+
+def check_case(case: Case, *, interpret):
+    q, k, v, do, sink = make_inputs(case)
+    spec = sm90.spec_for(q, k, v, scale=1.0 / np.sqrt(case.Dqk), window=case.window,
+                         bottom_right=case.bottom_right, logits_soft_cap=case.cap,
+                         softmax=case.softmax)
+
+    @jax.jit  # one compilation instead of op-by-op dispatch: most of the time on CPU
+    def ref_and_grads(q, k, v, sink, do):
+        def ref(q, k, v, sink):
+            return reference.attention(AttentionInputs(q, k, v, sink=sink), spec)
+
+        with jax.default_matmul_precision("highest"):  # no TF32 in the reference on a GPU
+            (out, lse), vjp = jax.vjp(ref, q, k, v, sink)
+            return out, lse, vjp((do, jnp.zeros_like(lse)))
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    out, lse, expected = ref_and_grads(*f32[:3], sink, f32[3])
+    got = bwd.backward_spec(q, k, v, out.astype(q.dtype), lse, do, spec, sink=sink,
+                            block_sizes=case.blocks, interpret=interpret)
+    tol = 1e-2 if case.dtype == "bfloat16" else 2e-3
+    for name, g, x, e in zip(("dq", "dk", "dv"), got, (q, k, v), expected):
+        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
+        rel_l2(f"{case.name} {name}", g, e, tol)
+    if case.softmax == "learnable":
+        assert got[3].shape == (case.N,) and got[3].dtype == jnp.float32
+        rel_l2(f"{case.name} dsink", got[3], expected[3], tol)
+    else:
+        assert got[3] is None
+    vis = visible(case)
+    empty_q, unseen_k = ~vis.any(axis=1), ~vis.any(axis=0)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32)[:, empty_q], 0.0)
+    for g in got[1:3]:
+        np.testing.assert_array_equal(np.asarray(g, np.float32)[:, unseen_k], 0.0)
+    # the cases mean what they say
+    assert case.name != "empty_rows" or empty_q.sum() == 192
+    assert case.name != "tails_window_soft_cap_empty_rows" or empty_q.sum() == 104
+    assert case.name != "window_left_unseen_keys" or unseen_k.sum() == 128
+
+
+@pytest.fixture
+def interpreter():
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    yield ipc
+    # The interpreter keeps global state after a failed kernel; reset it for the next test.
+    ipc.reset_gpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_backward_interpret(case, interpreter):
+    check_case(case, interpret=plgpu.InterpretGPUParams(detect_races=case.races))
+    assert not (case.races and interpreter.get_races().races_found), f"{case.name}: a race"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=lambda c: c.name)
+def test_backward_gpu(case):
+    check_case(case, interpret=False)
+
+
+@pytest.mark.parametrize("case", [
+    Case("d128_gqa_window_cap_learnable", T=512, S=512, N=4, K=2, Dqk=128, Dv=128,
+         window=(100, 0), cap=2.0, softmax="learnable", blocks=None),
+    Case("mla_192_128_f16_one_wg_tails", T=200, S=300, N=1, K=1, Dqk=192, Dv=128,
+         window=(-1, 0), bottom_right=True, dtype="float16",
+         blocks=dataclasses.replace(ONE_WG, num_stages=3)),
+], ids=lambda c: c.name)
+def test_gpu_path_lowers_for_cuda(case, monkeypatch):
+    """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU
+    on a machine without a GPU, and Mosaic's shared-memory count stays within smem_bytes."""
+    import jax.experimental.mosaic.gpu.core as mosaic_core
+
+    counted, tree_size = [], mosaic_core._smem_tree_size
+
+    def count(tree):  # Mosaic's shared-memory total of a kernel, recorded per launch
+        counted.append(tree_size(tree))
+        return counted[-1]
+
+    monkeypatch.setattr(mosaic_core, "_smem_tree_size", count)
+    q, k, v, do, sink = make_inputs(case)
+    spec = sm90.spec_for(q, k, v, scale=0.1, window=case.window, bottom_right=case.bottom_right,
+                         logits_soft_cap=case.cap, softmax=case.softmax)
+    lse = jnp.zeros((1, case.N, case.T), jnp.float32)
+    f = jax.jit(lambda *a: bwd.backward_spec(*a, spec, sink=sink, block_sizes=case.blocks))
+    f.trace(q, k, v, do, lse, do).lower(lowering_platforms=("cuda",))
+    blocks = bwd.default_for(spec) if case.blocks is None else case.blocks
+    estimate = blocks.smem_bytes(spec)
+    assert len(counted) == 2 and counted[0] <= estimate["dkv"] and counted[1] <= estimate["dq"], (
+        counted, estimate)
+
+
+@pytest.mark.parametrize("T,S,window,bottom_right,bq,bkv", [
+    (256, 256, (-1, 0), False, 64, 128), (200, 136, (-1, -1), False, 64, 64),
+    (128, 256, (40, 0), False, 64, 64), (72, 200, (30, 10), False, 64, 64),
+    (256, 64, (-1, 0), True, 64, 128), (1000, 1100, (256, 0), True, 64, 128),
+    (130, 500, (5, 300), True, 128, 64), (300, 70, (0, 0), False, 64, 64),
+    (513, 257, (-1, 3), False, 64, 128), (90, 330, (100, -1), True, 128, 128),
+])
+def test_band_q_range_matches_q_ranges(T, S, window, bottom_right, bq, bkv):
+    kv = jnp.zeros((1, S, 1, 64), jnp.bfloat16)
+    spec = sm90.spec_for(jnp.zeros((1, T, 1, 64), jnp.bfloat16), kv, kv, scale=1.0,
+                         window=window, bottom_right=bottom_right)
+    expected = q_ranges(spec, bq, bkv)
+    kw = dict(q_len=T, kv_len=S, window=window, diagonal_offset=spec.diagonal_offset,
+              block_q=bq, block_kv=bkv)
+    tiles = np.arange(-(-S // bkv), dtype=np.int32)
+    for got in (bwd.band_q_range(tiles, **kw), jax.jit(lambda t: bwd.band_q_range(t, **kw))(tiles)):
+        for field, g, e in zip(expected._fields, got, expected):
+            np.testing.assert_array_equal(np.asarray(g), e, err_msg=field)
+    # a key tile made only of padding (the wrapper's lcm padding) sees nothing
+    past = bwd.band_q_range(np.int32(-(-S // bkv)), **kw)
+    assert all(int(x) == 0 for x in past)
+
+
+def test_block_sizes_and_refusals():
+    with pytest.raises(ValueError, match=r"BackwardBlockSizes.block_kv=96 must be a positive "
+                                         r"multiple of 64 \* num_compute_wgs = 128"):
+        BBS(block_kv=96)
+    with pytest.raises(ValueError, match=r"BackwardBlockSizes.block_q=32 must be a multiple of 64"):
+        BBS(block_q=32)
+    with pytest.raises(ValueError, match="BackwardBlockSizes.num_stages=0"):
+        BBS(num_stages=0)
+    with pytest.raises(ValueError, match="compute_registers=248 \\* num_compute_wgs=2"):
+        BBS(compute_registers=248)
+    q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+    spec = sm90.spec_for(q, q, q, scale=0.1)
+    # d128 bf16, dK/dV: 4 stages x 64 rows x (2 * 256 B + 8 B of lse, delta) + 128 keys x 512 B;
+    # dQ: 128 rows x 520 B + 4 stages x 64 keys x 512 B; each + 2 KiB of slack (Mosaic counted
+    # 198848 bytes for both when lowering for cuda). 5 stages do not fit.
+    assert BBS(num_stages=4).smem_bytes(spec) == {"dkv": 4 * 64 * 520 + 128 * 512 + 2048,
+                                                  "dq": 128 * 520 + 4 * 64 * 512 + 2048}
+    with pytest.raises(ValueError, match=r"num_stages=5.*dkv kernel needs 233984 bytes"):
+        BBS(num_stages=5).validate_for(spec)
+    assert bwd.default_for(spec).num_stages == 3
+    d256 = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+    big = sm90.spec_for(d256, d256, d256, scale=0.1)
+    with pytest.raises(NotImplementedError, match="register budget"):
+        bwd.default_for(big)
+    x = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 128), jnp.float32)
+    for field, value in (("dropout_rate", 0.1), ("bias_shape", (1, 1, 128, 128)),
+                         ("segments", "padding")):
+        bad = dataclasses.replace(spec, **{field: value})
+        with pytest.raises(NotImplementedError, match="not implemented"):
+            bwd.backward_spec(x, x, x, x, lse, x, bad, interpret=True)
+    with pytest.raises(ValueError, match=r"lse.shape=\(1, 128, 2\) must be \(1, 2, 128\)"):
+        bwd.backward_spec(x, x, x, x, lse.swapaxes(1, 2), x, spec, interpret=True)
+    with pytest.raises(ValueError, match=r"softmax='learnable' needs sink of shape \(2,\)"):
+        bwd.backward_spec(x, x, x, x, lse, x, dataclasses.replace(spec, softmax="learnable"),
+                          interpret=True)
+    with pytest.raises(NotImplementedError, match="qk_dim=32"):
+        small = sm90.spec_for(x[..., :32], x[..., :32], x, scale=0.1)
+        bwd.backward_spec(x[..., :32], x[..., :32], x, x, lse, x, small, interpret=True)
