@@ -23,7 +23,8 @@ from flashmesh.bench.shapes import Group, Preset  # noqa: E402
 
 MODE_NAMES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 AXIS_NAMES = {"T": "Sequence length T (tokens, log scale)", "B": "Batch size B (log scale)"}
-_ORDER = ["naive", "xla", "cudnn", "flashmesh", "flashmesh:chunked", "flashmesh:cudnn", "flashmesh:reference",
+_ORDER = ["naive", "xla", "cudnn", "flashmesh", "flashmesh:chunked", "flashmesh:cudnn", "flashmesh:pallas_mosaic_gpu",
+          "flashmesh:reference",
           "module", "fa3", "tokamax:mosaic", "tokamax:triton"]
 _MARKERS = "osd^v<>PXh*"
 

@@ -25,7 +25,9 @@ from flashmesh.bench.shapes import Preset
 TIMING_TEXT = ("each row is compiled ahead of time, run once and compared with the float32 "
                "reference, then warmed up; the rows of one shape and mode are timed together in "
                "interleaved rounds, call by call (each call ended by jax.block_until_ready); "
-               "ms is the median over all rounds")
+               "ms is the median over all rounds; 'back to back' is the time per call of as many "
+               "calls issued back to back with one synchronisation at the end (the host's dispatch "
+               "hidden behind the device's work: closer to kernel time on short rows)")
 MEMORY_TEXT = ("memory is XLA's buffer plan of the compiled call (arguments + outputs + "
                "temporaries); device_peak_bytes in the json is the device's high-water mark "
                "(device.memory_stats(), process-wide) where the device reports it")
@@ -140,12 +142,13 @@ def status_text(r: Result) -> str:
     return f"{r.status}: {r.reason}" if r.reason else r.status
 
 
-COLUMNS = ("shape", "implementation", "mode", "ms", "TFLOP/s", "memory", "error", "status")
+COLUMNS = ("shape", "implementation", "mode", "ms", "back to back", "TFLOP/s", "memory", "error", "status")
+NUMERIC = ("ms", "back to back", "TFLOP/s", "memory", "error")
 
 
 def row_cells(r: Result) -> list[str]:
-    return [r.shape.name, r.label, r.mode, fmt_ms(r.ms), fmt_tflops(r.tflops), fmt_bytes(r.memory_bytes),
-            fmt_err(r.error), status_text(r)]
+    return [r.shape.name, r.label, r.mode, fmt_ms(r.ms), fmt_ms(r.ms_back_to_back), fmt_tflops(r.tflops),
+            fmt_bytes(r.memory_bytes), fmt_err(r.error), status_text(r)]
 
 
 # -- terminal ----------------------------------------------------------------------------------------
@@ -172,7 +175,7 @@ def print_tables(preset: Preset, results: list[Result], console=None, causal: li
             continue
         table = Table(title=group.title, title_justify="left", show_lines=False)
         for col in COLUMNS:
-            table.add_column(col, justify="right" if col in ("ms", "TFLOP/s", "memory", "error") else "left",
+            table.add_column(col, justify="right" if col in NUMERIC else "left",
                              no_wrap=True, overflow="ellipsis", max_width=70 if col == "status" else None)
         for r in rows:
             cells = row_cells(r)

@@ -65,6 +65,7 @@ class Result:
     reason: str = ""
     ms: float | None = None
     ms_min: float | None = None
+    ms_back_to_back: float | None = None  # per call of `iters` calls with one synchronisation
     iters: int | None = None
     compile_s: float | None = None
     flops: float | None = None
@@ -235,7 +236,8 @@ def time_rows(ready: list[_Ready], config: RunConfig) -> list[Result]:
             return [result for r in ready for result in time_rows([r], config)]
         status, reason = classify(e)
         return [Result(**dict(ready[0].fields, status=status, reason=reason))]
-    return [Result(**r.fields, ms=t.median_ms, ms_min=t.min_ms, iters=t.iters,
+    return [Result(**r.fields, ms=t.median_ms, ms_min=t.min_ms, ms_back_to_back=t.back_to_back_ms,
+                   iters=t.iters,
                    tflops=flops.tflops_per_s(r.fields["flops"], t.median_ms),
                    memory_bytes=t.memory_bytes, device_peak_bytes=t.device_peak_bytes)
             for r, t in zip(ready, timings)]

@@ -240,7 +240,8 @@ WORKLOAD_SHAPES = (
           segments=(12288, -4096) * 4,
           note="tutorial 003 on one GPU: 4 slots of 16384 holding 12288 tokens each"),
 )
-ANCHOR_IMPLS = ("naive", "xla", "cudnn", "flashmesh", "flashmesh:cudnn", "flashmesh:chunked") + PEERS
+ANCHOR_IMPLS = ("naive", "xla", "cudnn", "flashmesh", "flashmesh:cudnn", "flashmesh:pallas_mosaic_gpu",
+                "flashmesh:chunked") + PEERS
 
 
 def anchors(platform: str) -> Preset:

@@ -36,6 +36,7 @@ class Timing:
     memory_bytes: int | None
     device_peak_bytes: int | None
     times_ms: tuple[float, ...]
+    back_to_back_ms: float | None = None  # per call, `iters` calls issued with one synchronisation
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -131,8 +132,20 @@ def time_interleaved(calls: Sequence[tuple[Callable, tuple]], *, warmup: int = 3
         for i, ((c, _), (_, args)) in enumerate(zip(compiled, calls)):
             share = counts[i] * (r + 1) // rounds - counts[i] * r // rounds
             times[i] += [_timed_call(c, args) for _ in range(share)]
+    # Then each call's `iters` calls back to back, one synchronisation at the end: the host's
+    # dispatch hides behind the device's work, so on rows near 1 ms this reads kernel speed
+    # where a synchronised call's median adds the launch and wake-up latency.
+    back_to_back = [_back_to_back(c, args, n) for (c, _), (_, args), n in zip(compiled, calls, counts)]
     return [Timing(median_ms=float(statistics.median(t)), mean_ms=float(statistics.fmean(t)),
                    min_ms=float(min(t)), iters=len(t), compile_s=compile_s,
                    memory_bytes=memory_bytes(c), device_peak_bytes=device_peak_bytes(),
-                   times_ms=tuple(t))
-            for (c, compile_s), t in zip(compiled, times)]
+                   times_ms=tuple(t), back_to_back_ms=b2b)
+            for (c, compile_s), t, b2b in zip(compiled, times, back_to_back)]
+
+
+def _back_to_back(compiled, args, n: int) -> float:
+    """Milliseconds per call of `n` calls issued back to back, one synchronisation at the end."""
+    t0 = time.perf_counter()
+    outs = [compiled(*args) for _ in range(n)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - t0) * 1e3 / n
