@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a small byte-level GPT in bf16 and FP8 and report both loss curves",
         description="Train a small GPT (TransformerLayers) on the bytes of the Python standard library "
                     "in bf16 and in FP8; write results.json, report.md and loss.png."))
+    from flashmesh.bench import tune
+
+    tune.add_arguments(sub.add_parser(
+        "tune", help="time the Mosaic GPU kernel's tile configs on this GPU and write the fastest "
+                     "into its table",
+        description="For each anchor shape, check and time every candidate forward config of the "
+                    "pallas_mosaic_gpu kernel, write the fastest into pallas_mosaic_gpu_configs.json "
+                    "and a report under --out."))
     return parser
 
 
@@ -282,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         from flashmesh.train import cli as train_cli
 
         return train_cli.run(args, argv[1:], parser)
+    if args.command == "tune":
+        from flashmesh.bench import tune
+
+        return tune.cli(args, argv[1:], parser)
     if args.command != "bench":
         parser.print_help()
         return 0

@@ -1,0 +1,280 @@
+"""`flashmesh tune`: measure the Mosaic GPU forward kernel's tile configurations on this GPU and
+write the fastest into its table (`attention/pallas_mosaic_gpu_configs.json`).
+
+Shape legend as `shapes.Shape` (B, T, S, N, K, Dqk, Dv).
+
+For every shape (the anchor shapes the kernel can run, or `--shapes`): each candidate
+`BlockSizes` of `candidates(spec)` that is valid for the call is compiled, run once and checked
+against `chunked` on the same inputs (relative L2 error <= TOLERANCE; a wrong or failing
+candidate is reported and never chosen), then all of them are timed together in interleaved
+rounds (`timing.time_interleaved`); the fastest by the back-to-back figure (calls issued with one
+synchronisation) wins. Its table entry (the one naming the shape as `anchor`, else the one with
+the same key, else a new one) gets the config, `tuned: true` and what was measured. The run
+also writes `<out>/<date>-<device>-tune/` (results.json with every candidate, report.md).
+
+`--interpret` runs the kernels in Mosaic GPU's interpreter on a CPU, at the given (tiny) shapes:
+it checks the plumbing; its times say nothing about a GPU and it writes no table unless
+`--table` names one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashmesh.attention import pallas_mosaic_gpu
+from flashmesh.attention import pallas_mosaic_gpu_common as common
+from flashmesh.bench import report, runner, timing
+from flashmesh.bench.shapes import ANCHOR_SHAPES, Shape
+
+TOLERANCE = 2e-2  # relative L2 against chunked, bf16 inputs (the kernels measure ~5e-3)
+SEARCH = dict(  # the candidate grid; invalid combinations (SMEM, registers) are dropped
+    tiles=((128, 2), (192, 3), (64, 1)),  # (block_q, num_compute_wgs)
+    block_kv=(64, 128, 192),
+    num_stages=(2, 3),
+    intra_wg_overlap=(False, True),
+)
+
+
+def spec_of(shape: Shape, dtype: str = "bfloat16"):
+    """The AttentionSpec of a shape's forward call (flashmesh.normalize on placeholders)."""
+    from flashmesh.attention.api import normalize
+
+    q = jax.ShapeDtypeStruct((shape.B, shape.T, shape.N, shape.Dqk), jnp.dtype(dtype))
+    k = jax.ShapeDtypeStruct((shape.B, shape.S, shape.K, shape.Dqk), jnp.dtype(dtype))
+    v = jax.ShapeDtypeStruct((shape.B, shape.S, shape.K, shape.Dv), jnp.dtype(dtype))
+    found = []
+    jax.eval_shape(lambda q, k, v: found.append(normalize(q, k, v, mask=shape.mask, window=shape.window)[1]),
+                   q, k, v)  # traced: no arrays of the shape's size are made
+    return found[0]
+
+
+def candidates(spec, limit: int | None = None) -> list[common.BlockSizes]:
+    """Valid BlockSizes from the SEARCH grid for this call, the config it gets today first."""
+    found, seen = [], set()
+    try:
+        default = common.default_for(spec, jax.devices()[0].device_kind)
+    except NotImplementedError:  # not a Hopper GPU (interpret mode): the table's fallback
+        default = common.heuristic(spec)
+    grid = itertools.product(SEARCH["tiles"], SEARCH["block_kv"], SEARCH["num_stages"],
+                             SEARCH["intra_wg_overlap"])
+    for bs in itertools.chain([default], (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
+                                                             num_stages=st, intra_wg_overlap=ov)
+                                          for (bq, w), kv, st, ov in grid)):
+        try:
+            bs.validate_for(spec)
+        except (ValueError, NotImplementedError):
+            continue
+        if bs not in seen:
+            seen.add(bs)
+            found.append(bs)
+    return found[:limit]
+
+
+def table_key(spec) -> dict:
+    """The table key of a call: head dims, mask kind, group size, dtypes, and for a window its
+    width bound (the smallest power of two >= the width)."""
+    key = dict(qk_dim=spec.qk_dim, v_dim=spec.v_dim, mask=common.mask_kind(spec), group=spec.group_size)
+    left, right = spec.window
+    if key["mask"] == "window" and min(left, right) >= 0:
+        key["max_window"] = 2 ** math.ceil(math.log2(left + right + 1))
+    key["dtypes"] = ["bfloat16", "float16"]
+    return key
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def tune_shape(shape: Shape, config: runner.RunConfig, *, interpret: bool = False, limit: int | None = None,
+               advance=lambda text: None) -> dict:
+    """Every candidate of one shape: {"shape", "key", "rows": [...], "best": config or None}."""
+    from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+    from flashmesh.attention import chunked
+
+    spec = spec_of(shape)
+    q, k, v, _, _ = runner.make_inputs(shape, "bf16", config.seed)
+    want = chunked.attention(_inputs(q, k, v), spec)[0]
+    rows, ready = [], []
+    for bs in candidates(spec, limit):
+        advance(f"{shape.name}: {bs}")
+        row = dict(config=dataclasses.asdict(bs))
+        fn = lambda q, k, v, bs=bs: sm90.forward_spec(q, k, v, spec, block_sizes=bs, interpret=interpret)[0]
+        try:
+            # The interpreter runs eagerly: under jit its warpgroup threads wait on XLA's
+            # callback threads, which a 2-core CPU may not have to spare (a deadlock).
+            compiled, row["compile_s"] = (fn, None) if interpret else timing.compile_fn(jax.jit(fn), q, k, v)
+            row["error"] = _rel(compiled(q, k, v), want)
+        except Exception as e:  # a candidate that cannot run is a row, never a crash
+            status, reason = runner.classify(e)
+            rows.append(dict(row, status=status, reason=reason))
+            continue
+        row["status"] = runner.OK if row["error"] <= TOLERANCE else runner.WRONG
+        rows.append(row)
+        if row["status"] == runner.OK:
+            ready.append((row, compiled))
+    if ready and interpret:  # one eager call each: the plumbing, not a speed
+        for row, fn in ready:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v))
+            row.update(ms=(time.perf_counter() - t0) * 1e3, ms_back_to_back=(time.perf_counter() - t0) * 1e3)
+    elif ready:
+        timings = timing.time_interleaved([(c, (q, k, v)) for _, c in ready], warmup=config.warmup,
+                                          iters=config.iters, rounds=config.rounds)
+        for (row, _), t in zip(ready, timings):
+            row.update(ms=t.median_ms, ms_back_to_back=t.back_to_back_ms)
+    best = min((r for r in rows if "ms_back_to_back" in r), key=lambda r: r["ms_back_to_back"], default=None)
+    return dict(shape=shape.name, key=table_key(spec), rows=rows,  # rows[0]: the heuristic's config
+                best=None if best is None else best["config"],
+                best_ms_back_to_back=None if best is None else best["ms_back_to_back"],
+                default_ms_back_to_back=rows[0].get("ms_back_to_back") if rows else None)
+
+
+def _inputs(q, k, v):
+    from flashmesh.attention.spec import AttentionInputs
+
+    return AttentionInputs(q=q, k=k, v=v)
+
+
+def write_table(path: Path, results: list[dict], meta: dict) -> None:
+    """Each shape's best config into its entry (by anchor name, else key; new entries appended)."""
+    table = json.loads(path.read_text())
+    entries = table["entries"]
+    for res in results:
+        if res["best"] is None:
+            continue
+        config = {f: res["best"][f] for f in ("block_q", "block_kv", "num_stages", "num_compute_wgs",
+                                              "intra_wg_overlap")}
+        entry = next((e for e in entries if e.get("anchor") == res["shape"]), None) or next(
+            (e for e in entries if e["device"] == "sm90" and e["key"] == res["key"]), None)
+        if entry is None:
+            entry = dict(anchor=res["shape"], device="sm90", key=res["key"])
+            entries.append(entry)
+        entry.update(tuned=True, config=config, source=(
+            f"flashmesh tune {meta['date']} on {meta['device']} (commit {meta['commit']}): "
+            f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates"))
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    common.load_table.cache_clear()
+    common.load_table(str(path))  # the written table must load (valid configs, unique keys)
+
+
+def run(shapes: list[Shape], config: runner.RunConfig, *, interpret: bool = False, limit: int | None = None,
+        table: Path | None = None, out: str = "benchmarks/results", argv=None) -> tuple[list[dict], Path]:
+    """Tune every shape; write the table (unless interpret without `table`) and the report."""
+    if not interpret and (reason := pallas_mosaic_gpu._device_reason()):
+        raise NotImplementedError(f"flashmesh tune measures the Mosaic GPU kernels: {reason}")
+    for shape in shapes:
+        if reason := pallas_mosaic_gpu.static_reason(spec_of(shape)):
+            raise ValueError(f"--shapes: {shape.name} cannot run on the kernels: {reason}")
+    meta = metadata(argv, interpret)
+    total = sum(len(candidates(spec_of(s), limit)) for s in shapes)
+    results = []
+    with runner._progress(config.progress, total) as advance:
+        for shape in shapes:
+            results.append(tune_shape(shape, config, interpret=interpret, limit=limit, advance=advance))
+    if table is None and not interpret:
+        table = common.CONFIGS_PATH
+    if table is not None:
+        write_table(Path(table), results, meta)
+    directory = report.results_dir(out, meta)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "results.json").write_text(json.dumps(dict(meta=meta, shapes=results), indent=1, default=str))
+    (directory / "report.md").write_text(markdown(meta, results))
+    return results, directory
+
+
+def metadata(argv, interpret: bool) -> dict:
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return dict(date=now.strftime("%Y-%m-%d"), time_utc=now.strftime("%H:%M:%S"), preset="tune",
+                command=" ".join(["flashmesh", "tune", *(argv or [])]), commit=report.git_commit(),
+                device=report.device_kind(), jax_version=jax.__version__, interpret=interpret,
+                search=SEARCH, tolerance=TOLERANCE)
+
+
+def default_shapes() -> list[Shape]:
+    """The anchor shapes the kernels can run (no segments)."""
+    return [s for s in ANCHOR_SHAPES if s.segments is None and pallas_mosaic_gpu.static_reason(spec_of(s)) is None]
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    lines = [f"# flashmesh tune on {meta['device']}", "",
+             f"{meta['date']} {meta['time_utc']} UTC, commit `{meta['commit']}`, jax {meta['jax_version']}"
+             + (" (interpret mode: times say nothing about a GPU)" if meta["interpret"] else ""), "",
+             "Each candidate forward config of `pallas_mosaic_gpu_sm90` checked against `chunked` "
+             f"(relative L2 <= {TOLERANCE}), then timed in interleaved rounds; ms is the median of "
+             "synchronised calls, back to back the time per call of calls issued with one "
+             "synchronisation (the figure that chooses).", ""]
+    for res in results:
+        lines += [f"## {res['shape']}", "", "| config | ms | back to back | error | status |", "|---|---|---|---|---|"]
+        for r in sorted(res["rows"], key=lambda r: r.get("ms_back_to_back", math.inf)):
+            cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items() if v is not None)
+            ms = f"{r['ms']:.4f}" if "ms" in r else "-"
+            b2b = f"{r['ms_back_to_back']:.4f}" if "ms_back_to_back" in r else "-"
+            err = f"{r['error']:.1e}" if "error" in r else "-"
+            lines.append(f"| {cfg} | {ms} | {b2b} | {err} | {r['status']}{': ' + r['reason'] if r.get('reason') else ''} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def add_arguments(parser):
+    """The `flashmesh tune` options."""
+    parser.add_argument("--shapes", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+                        metavar="NAME,...", help="anchor shapes to tune (default: every one the kernels run)")
+    parser.add_argument("--max-candidates", type=int, metavar="N", help="at most N configs per shape")
+    parser.add_argument("--table", metavar="PATH",
+                        help="the table to update (default: the package's pallas_mosaic_gpu_configs.json)")
+    parser.add_argument("--out", default="benchmarks/results", metavar="DIR", help="parent of the report folder")
+    parser.add_argument("--interpret", action="store_true",
+                        help="run in Mosaic GPU's interpreter on a CPU (plumbing only; tiny shapes via "
+                             "--tiny; writes no table unless --table)")
+    parser.add_argument("--tiny", action="store_true", help="one tiny shape (for --interpret)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    return parser
+
+
+TINY = Shape("tune_tiny", B=1, T=256, N=2, K=1, Dqk=64, mask="causal")
+
+
+def cli(args, argv, parser) -> int:
+    from rich.console import Console
+
+    known = {s.name: s for s in ANCHOR_SHAPES}
+    try:
+        if args.tiny:
+            shapes = [TINY]
+        elif args.shapes:
+            if missing := [n for n in args.shapes if n not in known]:
+                raise ValueError(f"--shapes: unknown {missing}; known: {', '.join(known)}")
+            shapes = [known[n] for n in args.shapes]
+        else:
+            shapes = default_shapes()
+        if args.max_candidates is not None and args.max_candidates < 1:
+            raise ValueError(f"--max-candidates={args.max_candidates} must be >= 1")
+        config = runner.RunConfig(warmup=args.warmup, iters=args.iters, rounds=args.rounds,
+                                  progress=not args.no_progress)
+        results, directory = run(shapes, config, interpret=args.interpret, limit=args.max_candidates,
+                                 table=Path(args.table) if args.table else None, out=args.out, argv=argv)
+    except (ValueError, NotImplementedError) as e:
+        parser.exit(2, f"flashmesh tune: error: {e}\n")
+    console = Console()
+    for res in results:
+        best = res["best"]
+        console.print(f"{res['shape']}: " + ("no candidate ran" if best is None else
+                      f"best {best} at {res['best_ms_back_to_back']:.4f} ms back to back "
+                      f"(today's config: {res['default_ms_back_to_back'] or float('nan'):.4f})"))
+    console.print(f"report: {directory / 'report.md'}")
+    return 0

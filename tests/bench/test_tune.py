@@ -1,0 +1,81 @@
+"""`flashmesh tune`: the candidate grid, the table keys, the table update (the written table
+loads, entries are matched by anchor, then key, else appended), and one tiny interpret-mode run
+end to end through the CLI."""
+
+import json
+
+import pytest
+
+from flashmesh.attention import pallas_mosaic_gpu_common as common
+from flashmesh.bench import cli, tune
+from flashmesh.bench.shapes import ANCHOR_SHAPES
+
+ANCHORS = {s.name: s for s in ANCHOR_SHAPES}
+
+
+def test_candidates_are_valid_distinct_and_start_with_todays_config():
+    spec = tune.spec_of(ANCHORS["causal_8k_h32_d128"])
+    found = tune.candidates(spec)
+    assert len(found) == len(set(found)) > 4
+    assert found[0] == common.heuristic(spec)  # no Hopper here: the table's fallback
+    for bs in found:
+        assert bs.validate_for(spec) == bs and bs.smem_bytes(spec) <= common.SMEM_BYTES
+    assert tune.candidates(spec, limit=3) == found[:3]
+    # d64 has room for block_kv 192 with 3 stages, d128 does not without O in Q's buffer
+    assert any(bs.block_kv == 192 for bs in tune.candidates(tune.spec_of(ANCHORS["causal_8k_h32_d64"])))
+
+
+def test_table_keys():
+    assert tune.table_key(tune.spec_of(ANCHORS["seed000_gqa_swa"])) == dict(
+        qk_dim=128, v_dim=128, mask="window", group=16, max_window=256, dtypes=["bfloat16", "float16"])
+    assert tune.table_key(tune.spec_of(ANCHORS["seed000_mla"]))["v_dim"] == 64
+    assert tune.table_key(tune.spec_of(ANCHORS["full_4k_h16_d128"]))["mask"] == "none"
+
+
+def _result(name, config, ms=0.5):
+    return dict(shape=name, key=tune.table_key(tune.spec_of(ANCHORS[name])), rows=[{}, {}],
+                best=dict(config, pingpong=None, lpt_order=True), best_ms_back_to_back=ms)
+
+
+def test_write_table_updates_by_anchor_and_appends(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(common.CONFIGS_PATH.read_text())
+    before = json.loads(path.read_text())["entries"]
+    config = dict(block_q=192, block_kv=64, num_stages=2, num_compute_wgs=3, intra_wg_overlap=False)
+    results = [_result("seed000_gqa_swa", config), _result("codelab_te_2048", config, 0.1),
+               dict(shape="x", key={}, rows=[], best=None, best_ms_back_to_back=None)]
+    meta = dict(date="2026-12-01", device="NVIDIA H200", commit="abc")
+    tune.write_table(path, results, meta)
+    entries = json.loads(path.read_text())["entries"]
+    swa = [e for e in entries if e.get("anchor") == "seed000_gqa_swa"]
+    assert len(swa) == 1 and swa[0]["tuned"] is True and swa[0]["config"] == config
+    assert "0.5000 ms back to back, best of 2" in swa[0]["source"]
+    assert len(entries) in (len(before), len(before) + 1)  # codelab_te_2048: its entry, or a new one
+    assert [e for e in entries if e.get("anchor") == "codelab_te_2048"][0]["config"] == config
+    common.load_table.cache_clear()
+
+
+def test_refuses_without_a_hopper_gpu_and_bad_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--shapes", "causal_8k_h32_d128", "--no-progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "flashmesh tune: error:" in err and ("Hopper" in err or "NVIDIA GPU" in err)
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--shapes", "nope", "--interpret"])
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--tiny", "--interpret", "--max-candidates", "0"])
+
+
+def test_tiny_interpret_run_end_to_end(tmp_path):
+    table = tmp_path / "t.json"
+    table.write_text(common.CONFIGS_PATH.read_text())
+    assert cli.main(["tune", "--interpret", "--tiny", "--max-candidates", "1", "--warmup", "0",
+                     "--iters", "1", "--rounds", "1", "--table", str(table), "--out", str(tmp_path),
+                     "--no-progress"]) == 0
+    folder = next(tmp_path.glob("*-tune"))
+    data = json.loads((folder / "results.json").read_text())
+    (row,) = data["shapes"][0]["rows"]
+    assert row["status"] == "ok" and row["error"] < tune.TOLERANCE, row
+    assert "tune_tiny" in (folder / "report.md").read_text()
+    assert any(e.get("anchor") == "tune_tiny" and e["tuned"] for e in json.loads(table.read_text())["entries"])
+    common.load_table.cache_clear()
