@@ -3,7 +3,11 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train
+#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune
+#   The device's copy of .git may be older than the tree sent: pass the commit as
+#   FLASHMESH_COMMIT=$(git rev-parse --short=12 HEAD) so the reports name the right one.
+#   tune: `flashmesh tune` (TUNE_ARGS for options); the updated config table comes back as
+#   $OUT/pallas_mosaic_gpu_configs.json.
 #   Results are written straight under $OUT/benchmarks/results (as each row is measured), so a
 #   step killed by its limit, or a call killed by the device's, still brings back what it did.
 #   bench:layer at the guide's size takes ~40-80 s a row: split its rows over calls, e.g.
@@ -50,6 +54,10 @@ for step in "$@"; do
     train)
       timeout --signal=TERM "$limit" python3 -m flashmesh train --no-progress ${TRAIN_ARGS:-} \
         --out "$OUT/benchmarks/results" 2>&1 | tee -a "$OUT/train.log" | tail -30 ;;
+    tune)
+      timeout --signal=TERM "$limit" python3 -m flashmesh tune --no-progress ${TUNE_ARGS:-} \
+        --out "$OUT/benchmarks/results" 2>&1 | tee -a "$OUT/tune.log" | tail -30
+      cp src/flashmesh/attention/pallas_mosaic_gpu_configs.json "$OUT/" ;;
     example)
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" ;;
