@@ -251,8 +251,8 @@ def test_refuses_features_and_bad_sinks():
     with pytest.raises(NotImplementedError, match="dtype=float32"):
         f32 = kv.astype(jnp.float32)
         sm90.forward(q[:, :128].astype(jnp.float32), f32, f32, scale=0.125, interpret=True)
-    spec = dataclasses.replace(sm90.spec_for(q[:, :128], kv, kv, scale=0.125), dropout_rate=0.1)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    spec = dataclasses.replace(sm90.spec_for(q[:, :128], kv, kv, scale=0.125), bias_shape=(1, 1, 128, 128))
+    with pytest.raises(NotImplementedError, match="bias"):
         sm90.check(spec, BlockSizes())
     with pytest.raises(ValueError, match="num_heads=2 must be a multiple of num_kv_heads=3"):
         sm90.forward(q, jnp.zeros((1, 128, 3, 64), jnp.bfloat16),

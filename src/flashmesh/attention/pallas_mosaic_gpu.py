@@ -10,9 +10,15 @@ band's query tiles and the group's query heads, and a dQ kernel), under one cust
 an lse cotangent enters as delta - d_lse.
 
 Runs: band masks (causal, (left, right) windows, both diagonal alignments), any scale, GQA and
-MQA, Dqk != Dv, any T and S, logits soft cap, off-by-one and learnable sinks, bf16 / f16 on a
-compute-capability 9.0 GPU (H100 / H200). Not yet (the reason is returned): bias, dropout,
-segments and custom positions, head dims that are not multiples of 64 or above 192.
+MQA, Dqk != Dv, any T and S, logits soft cap, off-by-one and learnable sinks, dropout (the
+elements masks.dropout_keep drops, global query and head numbers included), bf16 / f16 on a
+compute-capability 9.0 GPU (H100 / H200). Not yet (the reason is returned): bias, segments and
+custom positions, head dims that are not multiples of 64 or above 192; at call time,
+dropout with global key numbers (kv_index, a context-parallel ring's key shards).
+
+Dropout: `sm90.dropout_row_hash` turns the seed (and q_index, head_index) into per-row
+hashes, uint32 [B, N, T], outside the custom VJP. The forward and both backward kernels read
+them, so the seed never reaches the kernels and is not differentiated.
 
 Not in the automatic order yet (registry.AUTO_ORDER says when it joins); `explain` lists it.
 Measured on the H200 (diagnosis probe, benchmarks/results/2026-12-01-nvidia-h200-gpu-tests/
@@ -23,6 +29,7 @@ cuDNN on the first and 0.75x on the second (that run's forward still had the ove
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -49,8 +56,7 @@ def _device_reason() -> str | None:
 def static_reason(spec: AttentionSpec) -> str | None:
     """Why the kernels cannot run this call whatever the device, or None."""
     features = [name for name, used in (
-        ("bias", spec.has_bias), ("dropout", spec.has_dropout),
-        ("segments", spec.segments is not None),
+        ("bias", spec.has_bias), ("segments", spec.segments is not None),
         ("custom positions", not spec.positions_canonical)) if used]
     if features:
         return f"{', '.join(features)} not implemented in the Mosaic GPU kernels yet"
@@ -60,6 +66,12 @@ def static_reason(spec: AttentionSpec) -> str | None:
         if dim % 64 or dim > MAX_HEAD_DIM:
             return (f"{name}={dim}: the kernels take multiples of 64 up to {MAX_HEAD_DIM} (128-byte "
                     "swizzle; larger dims exceed the backward's register budget)")
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+
+    try:  # every call gets a backward config (a custom VJP cannot know it won't be differentiated)
+        bwd.default_for(spec)
+    except (NotImplementedError, ValueError) as e:
+        return f"the backward kernels have no config for this call: {e}"
     return None
 
 
@@ -71,38 +83,49 @@ def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = 
 
 
 def config(spec: AttentionSpec):
-    """(forward BlockSizes, backward BackwardBlockSizes) a call gets (shown by `explain`)."""
+    """(forward BlockSizes, backward BackwardBlockSizes) a call gets (shown by `explain`).
+    With dropout the forward drops stages while its row hashes do not fit in shared memory."""
     from flashmesh.attention import pallas_mosaic_gpu_common as common
+    from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 
-    return common.default_for(spec, jax.devices()[0].device_kind), bwd.default_for(spec)
+    fwd = common.default_for(spec, jax.devices()[0].device_kind)
+    while fwd.num_stages > 1 and sm90.smem_bytes(spec, fwd) > common.SMEM_BYTES:
+        fwd = dataclasses.replace(fwd, num_stages=fwd.num_stages - 1)
+    return fwd, bwd.default_for(spec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel(spec: AttentionSpec, q, k, v, sink):
+def _kernel(setup, q, k, v, sink, dropout_hash):
+    """setup: (spec, forward BlockSizes, BackwardBlockSizes, interpret), static."""
     from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 
-    return sm90.forward_spec(q, k, v, spec, sink=sink, block_sizes=config(spec)[0])
+    spec, fwd_blocks, _, interpret = setup
+    return sm90.forward_spec(q, k, v, spec, sink=sink, dropout_hash=dropout_hash,
+                             block_sizes=fwd_blocks, interpret=interpret)
 
 
-def _kernel_fwd(spec, q, k, v, sink):
-    q, k, v, sink = custom_vjp_primal_tree_values((q, k, v, sink))
-    out, lse = _kernel(spec, q, k, v, sink)
-    return (out, lse), (q, k, v, sink, out, lse)
+def _kernel_fwd(setup, q, k, v, sink, dropout_hash):
+    q, k, v, sink, dropout_hash = custom_vjp_primal_tree_values((q, k, v, sink, dropout_hash))
+    out, lse = _kernel(setup, q, k, v, sink, dropout_hash)
+    return (out, lse), (q, k, v, sink, dropout_hash, out, lse)
 
 
-def _kernel_bwd(spec, res, cts):
+def _kernel_bwd(setup, res, cts):
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 
-    q, k, v, sink, out, lse = res
+    spec, _, bwd_blocks, interpret = setup
+    q, k, v, sink, dropout_hash, out, lse = res
     d_out, d_lse = cts
     if isinstance(d_out, SymbolicZero) and isinstance(d_lse, SymbolicZero):
-        return None, None, None, None
+        return None, None, None, None, None
     d_out = jnp.zeros_like(out) if isinstance(d_out, SymbolicZero) else d_out
     d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
     dq, dk, dv, dsink = bwd.backward_spec(q, k, v, out, lse, d_out.astype(q.dtype), spec, sink=sink,
-                                          d_lse=d_lse, block_sizes=config(spec)[1])
-    return dq, dk, dv, dsink
+                                          d_lse=d_lse, dropout_hash=dropout_hash,
+                                          block_sizes=bwd_blocks, interpret=interpret)
+    dsink = None if dsink is None else dsink.astype(sink.dtype)
+    return dq, dk, dv, dsink, None  # the row hashes are integers: no cotangent
 
 
 _kernel.defvjp(_kernel_fwd, _kernel_bwd, symbolic_zeros=True)
@@ -114,5 +137,16 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec) -> tuple[jax.Array, 
     reason = static_reason(spec)
     if reason is not None:
         raise NotImplementedError(f"pallas_mosaic_gpu cannot run this call: {reason}")
+    return attention_with(inputs, spec, *config(spec))
+
+
+def attention_with(inputs: AttentionInputs, spec: AttentionSpec, fwd_blocks, bwd_blocks, *,
+                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`attention` with the tiles given (BlockSizes, BackwardBlockSizes) and optionally in
+    Mosaic GPU's interpreter (CPU tests of the custom VJP); no static_reason check."""
+    from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+
     sink = inputs.sink if spec.softmax == "learnable" else None
-    return _kernel(spec, inputs.q, inputs.k, inputs.v, sink)
+    dropout_hash = sm90.inputs_dropout_hash(inputs, spec)  # NotImplementedError for kv_index
+    return _kernel((spec, fwd_blocks, bwd_blocks, interpret), inputs.q, inputs.k, inputs.v, sink,
+                   dropout_hash)

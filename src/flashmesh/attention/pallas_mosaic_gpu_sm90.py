@@ -48,12 +48,24 @@ and a row that sees no key gets output 0 and lse = z (never EMPTY_ROW_LSE). The 
 sink reaches the kernel as [N, rows_per_wg] float32 (sink * log2 e, broadcast in the wrapper)
 and each compute warpgroup copies its head's row into SMEM by TMA.
 
+Dropout (spec.dropout_rate > 0): the elements kept are masks.dropout_keep's, bit for bit.
+That hash has three rounds: one per (batch, head), one per query row, one per element. The
+first two run in XLA (`dropout_row_hash`, uint32 [B, N, T], like the lse in size), so
+context parallelism's global head and query numbers (`head_index`, `q_index`) cost nothing
+in the kernel. Each compute warpgroup copies its rows by TMA, like the sink. The last round
+runs per element in the kernel (`dropout_keep`, uint32 arithmetic on WGMMA-layout arrays:
+iota, multiply, xor, logical right shift, unsigned compare), after the online softmax.
+l sums the undropped probabilities, so lse is unchanged. Only the P of O += P V loses the
+dropped elements, and the 1 / (1 - rate) rescale is folded into the final 1 / l. Key
+numbers other than 0..S-1 (`kv_index`) are not implemented.
+
 Implemented: causal and (left, right) windows in both alignments (top-left, bottom-right),
 any scale, GQA/MQA, Dqk != Dv, bf16/f16 inputs with float32 accumulation, lse [B, N, T] in
 the natural-log convention of reference.py, sequence tails (wrapper padding), the logit soft
-cap, and the off-by-one and learnable sink softmax. Not implemented (NotImplementedError):
-head dims that are not multiples of 64 (the 128-byte swizzle), bias, dropout, segments, and
-the backward pass. Not yet done for speed: OOB-filled TMA loads instead of padded input
+cap, the off-by-one and learnable sink softmax, and dropout. Not implemented
+(NotImplementedError): head dims that are not multiples of 64 (the 128-byte swizzle), bias,
+segments, dropout with global key numbers (kv_index). The backward pass is in
+pallas_mosaic_gpu_sm90_bwd. Not yet done for speed: OOB-filled TMA loads instead of padded input
 copies (the padding only runs for tails), per-warpgroup ranges, a persistent grid, named
 barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale.
 
@@ -89,13 +101,64 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm
 from jaxtyping import Array, Float
 
-from flashmesh.attention.pallas_mosaic_gpu_common import (SWIZZLE_BYTES, WARPGROUP, BlockSizes,
-                                                            band_kv_range)
+from flashmesh.attention import masks
+from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_BYTES, SWIZZLE_BYTES,
+                                                            WARPGROUP, BlockSizes, band_kv_range)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, SOFTMAX_TYPES, AttentionInputs, AttentionSpec
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 DTYPES = ("bfloat16", "float16")
+# masks.dropout_keep's multipliers of the batch index (first round) and key index (last round).
+DROPOUT_BATCH_MULT = 0x9E3779B1
+DROPOUT_KEY_MULT = 0x85EBCA77
+
+
+def dropout_threshold(rate: float) -> int:
+    """masks.dropout_keep's threshold: an element is kept iff its uint32 hash is >= this."""
+    return min(int(round(rate * 2.0**32)), 2**32 - 1)
+
+
+def dropout_row_hash(spec: AttentionSpec, seed, *, q_index=None, head_index=None):
+    """The first two rounds of masks.dropout_keep (per batch and head, then per query row), the
+    same operations in the same order: uint32 [B, N, T]. The kernels finish the hash per
+    element with `dropout_keep`.
+
+    seed: uint32 [2] (AttentionInputs.dropout_seed); q_index [T], head_index [N] int32 or None:
+    the global query and head numbers the hash sees (context parallelism), as
+    masks.dropout_numbers takes them.
+    """
+    if seed is None or seed.shape != (2,) or seed.dtype != jnp.uint32:
+        raise ValueError(f"dropout needs seed uint32 of shape (2,), got "
+                         f"{None if seed is None else (seed.dtype, seed.shape)}")
+    u = jnp.uint32
+    numbers = AttentionInputs(q=None, k=None, v=None, q_index=q_index, head_index=head_index)
+    n, i, _ = masks.dropout_numbers(numbers, jnp.arange(spec.num_heads), jnp.arange(spec.q_len), 0)
+    b = jnp.arange(spec.batch).astype(u)[:, None, None]
+    h = masks._mix32(seed[0] ^ masks._mix32(b * u(DROPOUT_BATCH_MULT) + n.astype(u)[None, :, None]))
+    return masks._mix32(h ^ seed[1] ^ i.astype(u)[None, None, :])
+
+
+def dropout_keep(row_hash, key0, shape, key_dim: int, threshold: int):
+    """In a kernel: the last round of masks.dropout_keep over a tile, bool `shape` (WGMMA
+    layout). row_hash: `dropout_row_hash` of the tile's queries, a uint32 vector along the
+    other dim (WGMMA row or column layout); the keys are key0 + iota along key_dim (key0 an
+    int32 scalar). (key0 + j) * M = key0 * M + j * M modulo 2**32, so the scalar part joins the
+    vector and each element pays one multiply-add before the mixer."""
+    u = jnp.uint32
+    base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
+    keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
+    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
+    return masks._mix32(x) >= u(threshold)
+
+
+def smem_bytes(spec: AttentionSpec, bs: BlockSizes) -> int:
+    """The forward's shared memory as Mosaic GPU counts it: `BlockSizes.smem_bytes` plus, with
+    dropout, the warpgroups' uint32 row hashes and their W barriers."""
+    extra = 0
+    if spec.has_dropout:
+        extra = -(-bs.block_q * 4 // SMEM_ALIGNMENT) * SMEM_ALIGNMENT + 8 * bs.num_compute_wgs
+    return bs.smem_bytes(spec) + extra
 
 
 def _smem(shape, dtype):
@@ -179,16 +242,18 @@ def _pair_in_turn(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_
     return acc, on_s(s)
 
 
-def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
+def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, barriers, *,
             spec: AttentionSpec, bs: BlockSizes, interpret: bool):
     # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv] (GMEM, padded to the
-    # block multiples Tp, Sp); sink_ref [N, rows] f32 (the sink logit times log2 e) or None
+    # block multiples Tp, Sp); sink_ref [N, rows] f32 (the sink logit times log2 e) or None;
+    # hash_ref [B, N, Tp] uint32 (dropout_row_hash) or None
     # out_ref [B, Tp, N, Dv], lse_ref [B, N, Tp] float32 (GMEM)
     # q_smem [W, rows, Dqk], k_smem [stages, block_kv, Dqk], v_smem [stages, block_kv, Dv],
     # o_smem [W, rows, Dv] or None (O staged in q_smem), lse_smem [W, rows] f32,
-    # p_smem [W, rows, block_kv] or None, sink_smem [W, rows] f32 or None
-    q_smem, k_smem, v_smem, o_smem, lse_smem, p_smem, sink_smem = smem
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, sink_ready = barriers
+    # p_smem [W, rows, block_kv] or None, sink_smem [W, rows] f32 or None,
+    # hash_smem [W, rows] uint32 or None
+    q_smem, k_smem, v_smem, o_smem, lse_smem, p_smem, sink_smem, hash_smem = smem
+    q_ready, k_ready, v_ready, k_consumed, v_consumed, sink_ready, hash_ready = barriers
     W, rows, stages, bkv = bs.num_compute_wgs, bs.rows_per_wg, bs.num_stages, bs.block_kv
     o_in_q = o_smem is None
     o_smem = q_smem if o_in_q else o_smem
@@ -216,6 +281,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_wg, q_ready.at[wg])
         if sink_ref is not None:
             plgpu.copy_gmem_to_smem(sink_ref.at[head], sink_smem.at[wg], sink_ready.at[wg])
+        if hash_ref is not None:
+            plgpu.copy_gmem_to_smem(hash_ref.at[batch, head, pl.ds(row0, rows)], hash_smem.at[wg],
+                                    hash_ready.at[wg])
         pv = _pv_from_smem if interpret else _pv_from_registers
         pair = _pair_in_turn if interpret else _pair_in_flight
         p_wg = None if p_smem is None else p_smem.at[wg]
@@ -226,6 +294,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
         left, right = spec.window
         kv_tail = spec.kv_len % bkv != 0  # the last key tile holds padded columns past S
         has_sink = spec.softmax != "vanilla"
+        threshold = dropout_threshold(spec.dropout_rate)
+        row_hash = None  # dropout: the warpgroup's row hashes, loaded before the main loop
 
         # Ping-pong (FA3's warp scheduler barrier): warpgroup w waits on named barrier
         # base + w before issuing a block of GEMMs and then signals base + (w + 1) % W. Mosaic
@@ -293,7 +363,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
             alpha = jnp.exp2(m_i - m_safe)
             m_b = lax.broadcast_in_dim(m_safe, s.shape, [0])
             p = jnp.exp2(s * scale2 - m_b) if fold else jnp.exp2(s - m_b)
-            l_new = l_i * alpha + p.sum(axis=1)
+            l_new = l_i * alpha + p.sum(axis=1)  # undropped: dropout acts after the softmax
+            if row_hash is not None:  # only P·V's P loses them (1 / (1 - rate) in store)
+                p = jnp.where(dropout_keep(row_hash, step * bkv, s.shape, 1, threshold), p, 0.0)
             return p.astype(dtype), m_new, l_new, alpha
 
         def rescale(acc, alpha):
@@ -369,6 +441,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
         def store(acc, m_i, l_i):
             seen = l_i > 0.0  # always true with a sink: an empty row gives 0 and lse = z
             inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)  # an empty row gives 0
+            if spec.has_dropout:  # the kept probabilities' 1 / (1 - rate)
+                inv = inv * (1.0 / (1.0 - spec.dropout_rate))
             o = rescale(acc, inv).astype(dtype)
             log2_l = jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E
             if o_in_q:  # a warpgroup barrier: every warp is past its last read of Q
@@ -394,6 +468,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
                 plgpu.barrier_wait(sink_ready.at[wg])
                 m_i = plgpu.load(sink_smem.at[wg], layout=row_layout)
             l_i = plgpu.layout_cast(jnp.ones((rows,), jnp.float32), row_layout)
+        if hash_ref is not None:
+            plgpu.barrier_wait(hash_ready.at[wg])
+            row_hash = plgpu.load(hash_smem.at[wg], layout=row_layout)
         plgpu.barrier_wait(q_ready.at[wg])
         main_loop = overlap_loop if bs.intra_wg_overlap else plain_loop
 
@@ -438,11 +515,12 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, barriers, *,
 
 def check(spec: AttentionSpec, bs: BlockSizes) -> None:
     """NotImplementedError for a call this kernel cannot run, ValueError for a bad tile."""
-    features = {"bias": spec.has_bias, "dropout": spec.has_dropout,
-                "segments": spec.segments is not None}
+    features = {"bias": spec.has_bias, "segments": spec.segments is not None}
     if missing := [name for name, used in features.items() if used]:
         raise NotImplementedError(f"pallas_mosaic_gpu_sm90 forward: {', '.join(missing)} not "
-                                  "implemented yet (first kernel: band masks only)")
+                                  "implemented yet (band masks only)")
+    if not 0.0 <= spec.dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate={spec.dropout_rate!r} must be in [0, 1)")
     if spec.softmax not in SOFTMAX_TYPES:
         raise ValueError(f"softmax={spec.softmax!r} must be one of {SOFTMAX_TYPES}")
     if spec.logits_soft_cap is not None and not spec.logits_soft_cap > 0:
@@ -455,10 +533,15 @@ def check(spec: AttentionSpec, bs: BlockSizes) -> None:
             raise NotImplementedError(f"{name}={dim}: must be a multiple of {step} for "
                                       f"{spec.dtype} (128-byte swizzle; narrower swizzles not yet)")
     bs.validate_for(spec)
+    if (smem := smem_bytes(spec, bs)) > SMEM_BYTES:
+        raise ValueError(f"BlockSizes(block_q={bs.block_q}, block_kv={bs.block_kv}, num_stages="
+                         f"{bs.num_stages}) needs {smem} bytes of shared memory with dropout's "
+                         f"row hashes; at most {SMEM_BYTES} (use fewer stages)")
 
 
 def spec_for(q, k, v, *, scale: float, window=(-1, -1), bottom_right: bool = False,
-             logits_soft_cap: float | None = None, softmax: str = "vanilla") -> AttentionSpec:
+             logits_soft_cap: float | None = None, softmax: str = "vanilla",
+             dropout_rate: float = 0.0) -> AttentionSpec:
     """The AttentionSpec of a band-mask call (ValueError for inconsistent shapes)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be 4-D [B, T|S, N|K, H], got {q.shape=}, {k.shape=}, {v.shape=}")
@@ -474,7 +557,20 @@ def spec_for(q, k, v, *, scale: float, window=(-1, -1), bottom_right: bool = Fal
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
     return AttentionSpec(B, T, S, N, K, Dqk, Dv, jnp.dtype(q.dtype).name, float(scale),
                          window=tuple(window), bottom_right=bottom_right, softmax=softmax,
-                         logits_soft_cap=cap)
+                         logits_soft_cap=cap, dropout_rate=float(dropout_rate))
+
+
+def check_dropout_hash(spec: AttentionSpec, dropout_hash) -> None:
+    """ValueError unless dropout_hash is uint32 [B, N, T] exactly when the spec has dropout."""
+    if not spec.has_dropout:
+        if dropout_hash is not None:
+            raise ValueError("dropout_hash must be None for dropout_rate=0")
+        return
+    shape = (spec.batch, spec.num_heads, spec.q_len)
+    if dropout_hash is None or dropout_hash.shape != shape or dropout_hash.dtype != jnp.uint32:
+        got = None if dropout_hash is None else (dropout_hash.dtype, dropout_hash.shape)
+        raise ValueError(f"dropout_rate={spec.dropout_rate} needs dropout_hash uint32 {shape} "
+                         f"(dropout_row_hash), got {got}")
 
 
 def _sink_rows(spec: AttentionSpec, sink, rows: int):
@@ -496,12 +592,16 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
 
 
-def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None,
+def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None,
                  block_sizes: BlockSizes | None = None, interpret: bool = False):
-    """`forward` for a normalised spec (what the registry will call)."""
+    """`forward` for a normalised spec (what the registry calls). dropout_hash: uint32
+    [B, N, T] from `dropout_row_hash` when spec.dropout_rate > 0, else None."""
     bs = BlockSizes() if block_sizes is None else block_sizes
     check(spec, bs)
+    check_dropout_hash(spec, dropout_hash)
     sink_rows = _sink_rows(spec, sink, bs.rows_per_wg)
+    if dropout_hash is not None:
+        dropout_hash = _pad_to(dropout_hash, 2, bs.block_q)  # padded rows are dropped anyway
     # Tails: zero-pad T and S to the block multiples (padded keys are masked in the kernel),
     # then slice the outputs back to T.
     q = _pad_to(q, 1, bs.block_q)
@@ -517,6 +617,7 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.float32),
         _smem((W, bs.rows_per_wg, bs.block_kv), dtype) if interpret else None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.float32) if sink_rows is not None else None,
+        plgpu.SMEM((W, bs.rows_per_wg), jnp.uint32) if dropout_hash is not None else None,
     ]
     barriers = [
         plgpu.Barrier(num_barriers=W),
@@ -525,24 +626,27 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None,
         plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages),
         plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages),
         plgpu.Barrier(num_barriers=W) if sink_rows is not None else None,
+        plgpu.Barrier(num_barriers=W) if dropout_hash is not None else None,
     ]
     n_smem = len(smem)
+    optional = (sink_rows, dropout_hash)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        sink_ref = refs[0] if sink_rows is not None else None
+        it = iter(refs[:-2])  # the optional inputs that are present, then out and lse
+        sink_ref, hash_ref = (None if x is None else next(it) for x in optional)
         out_ref, lse_ref = refs[-2:]
 
         def body(*scratch):
             it = iter(scratch)  # the None entries take no scratch
             allocated = [None if a is None else next(it) for a in smem + barriers]
-            _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, allocated[:n_smem],
+            _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, allocated[:n_smem],
                     allocated[n_smem:], spec=spec, bs=bs, interpret=interpret)
 
         pl.run_scoped(body, *[a for a in smem + barriers if a is not None], collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((spec.batch, Tp, spec.num_heads, spec.v_dim), dtype),
                 jax.ShapeDtypeStruct((spec.batch, spec.num_heads, Tp), jnp.float32))
-    inputs = (q, k, v) if sink_rows is None else (q, k, v, sink_rows)
+    inputs = (q, k, v) + tuple(x for x in optional if x is not None)
     out, lse = plgpu.kernel(
         entry, out_type=out_type,
         grid=(Tp // bs.block_q, spec.num_heads, spec.batch),
@@ -564,7 +668,7 @@ def forward(q: Float[Array, "B T N Dqk"], k: Float[Array, "B S K Dqk"],
             v: Float[Array, "B S K Dv"], *, scale: float, window: tuple[int, int] = (-1, -1),
             bottom_right: bool = False, logits_soft_cap: float | None = None,
             softmax: str = "vanilla", sink: Float[Array, "N"] | None = None,
-            block_sizes: BlockSizes | None = None,
+            dropout_rate: float = 0.0, dropout_seed=None, block_sizes: BlockSizes | None = None,
             interpret: bool = False) -> tuple[Float[Array, "B T N Dv"], Float[Array, "B N T"]]:
     """Band-mask attention forward: (out [B, T, N, Dv] in q's dtype, lse [B, N, T] float32).
 
@@ -579,21 +683,40 @@ def forward(q: Float[Array, "B T N Dqk"], k: Float[Array, "B S K Dqk"],
       softmax: "vanilla", "off_by_one" (an extra exp(0) in the denominator) or "learnable"
         (an extra exp(sink[n]) per query head).
       sink: float32 [N] sink logits, for softmax="learnable" only.
-      block_sizes: the tile configuration, `BlockSizes()` by default (the lead's registry will
-        pass `default_for`); T and S need not be multiples of block_q and block_kv (tails are
+      dropout_rate, dropout_seed: with rate in (0, 1), probabilities are dropped where
+        masks.dropout_keep(dropout_seed, rate, b, n, i, j) is False and the rest scaled by
+        1 / (1 - rate); dropout_seed is uint32 [2] (what api.normalize makes of a PRNG key).
+      block_sizes: the tile configuration, `BlockSizes()` by default (the registry passes
+        `default_for`); T and S need not be multiples of block_q and block_kv (tails are
         padded in the wrapper).
       interpret: run on CPU in Mosaic GPU's interpreter (P·V through SMEM, see module doc).
     lse is log(sum_j exp(s_ij) + z) with z = 0, 1 or exp(sink[n]) (as reference.py); under
     vanilla softmax a row that sees no key gets output 0 and lse = EMPTY_ROW_LSE; with a sink
-    it gets output 0 and lse = the sink logit (0 for off_by_one).
+    it gets output 0 and lse = the sink logit (0 for off_by_one). Dropout leaves lse alone.
     """
     spec = spec_for(q, k, v, scale=scale, window=window, bottom_right=bottom_right,
-                    logits_soft_cap=logits_soft_cap, softmax=softmax)
-    return forward_spec(q, k, v, spec, sink=sink, block_sizes=block_sizes, interpret=interpret)
+                    logits_soft_cap=logits_soft_cap, softmax=softmax, dropout_rate=dropout_rate)
+    dropout_hash = dropout_row_hash(spec, dropout_seed) if spec.has_dropout else None
+    return forward_spec(q, k, v, spec, sink=sink, dropout_hash=dropout_hash,
+                        block_sizes=block_sizes, interpret=interpret)
+
+
+def inputs_dropout_hash(inputs: AttentionInputs, spec: AttentionSpec):
+    """`dropout_row_hash` of a call's inputs (None without dropout); NotImplementedError for
+    global key numbers (kv_index), which the kernels' per-element round does not read."""
+    if not spec.has_dropout:
+        return None
+    if inputs.kv_index is not None:
+        raise NotImplementedError(
+            "pallas_mosaic_gpu: dropout with global key numbers (kv_index, context parallelism) "
+            "is not implemented: the kernels hash key indices 0..S-1 from iota")
+    return dropout_row_hash(spec, inputs.dropout_seed, q_index=inputs.q_index,
+                            head_index=inputs.head_index)
 
 
 def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
               block_sizes: BlockSizes | None = None, interpret: bool = False):
-    """The backend interface (not registered yet): forward only, no custom VJP."""
+    """Forward only, no custom VJP (pallas_mosaic_gpu.attention is the registered backend)."""
     return forward_spec(inputs.q, inputs.k, inputs.v, spec, sink=inputs.sink,
-                        block_sizes=block_sizes, interpret=interpret)
+                        dropout_hash=inputs_dropout_hash(inputs, spec), block_sizes=block_sizes,
+                        interpret=interpret)

@@ -10,6 +10,14 @@ delta_i = rowsum(dO ∘ O) (= Σ_j P_ij dP_ij, a plain-JAX preprocess), dC = P �
 dS = dC ∘ (1 - tanh²) under the soft cap, dQ = scale dS K, dK = scale dSᵀ Q. A sink logit z
 has probability exp(z - lse) and no value, so dz = -exp(z - lse) delta (plain JAX).
 
+Dropout (rate r; keep_ij is masks.dropout_keep, bit for bit: `sm90.dropout_keep` on the
+forward's row hashes, streamed like lse): dV = (P ∘ keep / (1 - r))ᵀ dO and
+dC = P ∘ (dP ∘ keep / (1 - r) - delta), where delta = rowsum(dO ∘ O) uses the forward's
+dropped O (chunked_vjp's form). The kernels run the r-free form dV += (P ∘ keep)ᵀ dO and
+dC' = P ∘ (dP ∘ keep - (1 - r) delta), with (1 - r) delta scaled in XLA. dQ, dK and dV take
+the 1 / (1 - r) at the end, with the logit scale, so each element pays two selects on top
+of its hash.
+
 Two kernels, deterministic (no atomics), as tokamax's sm90 VJP and jax's attention_mgpu:
 * dK/dV (KV-stationary, FA2/FA3): grid (key tile, kv head, batch); each of W compute
   warpgroups owns block_kv / W keys and keeps dK, dV in registers; the memory warpgroup streams
@@ -35,9 +43,10 @@ to SMEM buffers and each GEMM accumulates into a fresh zero accumulator added af
 (`_mma_from_smem`); on a GPU the register forms run (`_mma_from_registers`). Nothing else
 differs.
 
-Not implemented (NotImplementedError): bias, dropout, segments, head dims not multiples of 64
-(the 128-byte swizzle), dK/dV accumulators beyond the register budget (d256). Not yet done for
-speed: overlap of a step's GEMMs with the next step's (wgmma_wait(1)), ping-pong between
+Not implemented (NotImplementedError): bias, segments, head dims not multiples of 64 (the
+128-byte swizzle), dK/dV accumulators beyond the register budget (d256), dropout with global
+key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
+step's (wgmma_wait(1)), ping-pong between
 warpgroups, a persistent LPT grid, OOB-filled TMA instead of padded copies,
 `unsafe_no_auto_barriers`, a fused single kernel with a dQ reduction (FA3's 5 GEMMs instead
 of 7).
@@ -63,7 +72,8 @@ from jax import lax
 
 from flashmesh.attention.pallas_mosaic_gpu_common import (
     REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range)
-from flashmesh.attention.pallas_mosaic_gpu_sm90 import DTYPES, LOG2E
+from flashmesh.attention.pallas_mosaic_gpu_sm90 import (DTYPES, LOG2E, check_dropout_hash,
+                                                         dropout_keep, dropout_threshold)
 from flashmesh.attention.spec import SOFTMAX_TYPES, AttentionSpec
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
@@ -91,8 +101,8 @@ class BackwardBlockSizes:
     block_kv_dq: int = 64
     num_stages: int = 2
     num_compute_wgs: int = 2
-    compute_registers: int = 232
-    memory_registers: int = 40
+    compute_registers: int = 240  # FA3's split of the register file for its backward
+    memory_registers: int = 24
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -119,22 +129,26 @@ class BackwardBlockSizes:
 
     def smem_bytes(self, spec: AttentionSpec) -> dict[str, int]:
         """Shared memory of each kernel on a GPU: {"dkv": K, V tiles + the ring of Q, dO, lse,
-        delta; "dq": Q, dO, lse, delta + the ring of K, V} (the epilogues reuse K/V and Q),
-        plus SMEM_SLACK for the barriers and alignment (Mosaic's count, from lowering for
-        cuda, exceeded the tiles alone by 192 to 1632 bytes)."""
+        delta (and dropout's uint32 row hash); "dq": Q, dO, lse, delta (row hash) + the ring
+        of K, V} (the epilogues reuse K/V and Q), plus SMEM_SLACK for the barriers and
+        alignment (Mosaic's count, from lowering for cuda, exceeded the tiles alone by 192 to
+        1632 bytes)."""
         size, d = jnp.dtype(spec.dtype).itemsize, spec.qk_dim + spec.v_dim
-        row = size * d + 8  # a Q and a dO row, and float32 lse and delta
+        row = size * d + (12 if spec.has_dropout else 8)  # Q, dO rows; lse, delta (hash)
         dkv = self.num_stages * self.block_q * row + size * self.block_kv * d
         dq = self.block_q_dq * row + self.num_stages * self.block_kv_dq * size * d
         return {"dkv": dkv + SMEM_SLACK, "dq": dq + SMEM_SLACK}
 
     def registers(self, spec: AttentionSpec) -> dict[str, int]:
-        """Accumulator registers per compute thread: dK/dV kernel Sᵀ, dPᵀ, dK, dV; dQ kernel
-        S, dP, dQ (float32, 64-row WGMMA tiles spread over a warpgroup's 128 threads)."""
+        """Accumulator registers per compute thread: dK/dV kernel Sᵀ, dPᵀ, dK, dV in float32
+        plus the 16-bit Pᵀ and dSᵀ that feed the dV and dK GEMMs from registers; dQ kernel S,
+        dP, dQ plus the 16-bit dS (64-row WGMMA tiles spread over a warpgroup's 128 threads)."""
         kv_rows = self.block_kv // self.num_compute_wgs
         q_rows = self.block_q_dq // self.num_compute_wgs
-        return {"dkv": kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP,
-                "dq": q_rows * (2 * self.block_kv_dq + spec.qk_dim) // WARPGROUP}
+        return {"dkv": kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP
+                + 2 * kv_rows * self.block_q // (2 * WARPGROUP),
+                "dq": q_rows * (2 * self.block_kv_dq + spec.qk_dim) // WARPGROUP
+                + q_rows * self.block_kv_dq // (2 * WARPGROUP)}
 
     def validate_for(self, spec: AttentionSpec) -> "BackwardBlockSizes":
         """self, checked against a call (ValueError naming the field that does not fit)."""
@@ -303,15 +317,19 @@ def _ring_drain(consumed, slot_of, total, stages):
 
 # -- the dK/dV kernel ---------------------------------------------------------------------------
 
-def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem, barriers,
-                *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
+def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dk_ref, dv_ref, smem,
+                barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
     # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk],
-    # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32 (GMEM)
+    # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
+    # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # k_smem [W, rows, Dqk], v_smem [W, rows, Dv] (this CTA's keys; then dK, dV's epilogue),
     # q_smem [stages, bq, Dqk], do_smem [stages, bq, Dv], lse_smem, delta_smem [stages, bq] f32,
-    # pt_smem, dst_smem [W, rows, bq] (interpret only, else None)
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem = smem
-    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed = barriers
+    # pt_smem, dst_smem [W, rows, bq] (interpret only, else None),
+    # hash_smem [stages, bq] uint32 or None
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem = smem
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready = barriers
+    dropout = hash_ref is not None
+    stats_ready = (q_ready, do_ready, lse_ready, delta_ready) + ((hash_ready,) if dropout else ())
     W, stages, bq, G = bs.num_compute_wgs, bs.num_stages, bs.block_q, spec.group_size
     rows = bs.block_kv // W
     dtype = jnp.dtype(spec.dtype)
@@ -341,7 +359,7 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             masked = masked and (spec.has_window or kv_tail)
             dk, dv = carry
             slot = slot_of(g * count + q_tile - r.lo)
-            for barrier in (q_ready, do_ready, lse_ready, delta_ready):
+            for barrier in stats_ready:
                 plgpu.barrier_wait(barrier.at[slot])
             q_tile_s, do_tile = q_smem.at[slot], do_smem.at[slot]
             st, dpt = _two_products(k_smem.at[wg], q_tile_s.transpose((1, 0)),
@@ -355,10 +373,15 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             lse = plgpu.load(lse_smem.at[slot], layout=COL)
             delta = plgpu.load(delta_smem.at[slot], layout=COL)
             pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
+            pt_v = pt  # the P of dV: the kept elements (dropout's 1 / (1 - r) at the end)
+            if dropout:  # keys are rows here: the queries' hashes run along the columns
+                keep = dropout_keep(plgpu.load(hash_smem.at[slot], layout=COL), key0, pt.shape,
+                                    0, dropout_threshold(spec.dropout_rate))
+                dpt, pt_v = jnp.where(keep, dpt, 0.0), jnp.where(keep, pt, 0.0)
             dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
             if dcap is not None:
                 dst = dst * dcap
-            dk, dv = accumulate((dk, dv), (dst.astype(dtype), pt.astype(dtype)),
+            dk, dv = accumulate((dk, dv), (dst.astype(dtype), pt_v.astype(dtype)),
                                 (q_tile_s, do_tile), staging)
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv
@@ -373,8 +396,9 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         zeros = (_zeros((rows, spec.qk_dim)), _zeros((rows, spec.v_dim)))
         dk, dv = lax.fori_loop(0, G, head, zeros)
         # K and V are no longer read (their last GEMMs were awaited): their SMEM takes dK, dV.
-        k_smem.at[wg][...] = (dk * spec.scale).astype(dtype)
-        v_smem.at[wg][...] = dv.astype(dtype)
+        keep_scale = 1.0 / (1.0 - spec.dropout_rate)
+        k_smem.at[wg][...] = (dk * (spec.scale * keep_scale)).astype(dtype)
+        v_smem.at[wg][...] = (dv * keep_scale if dropout else dv).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[kv_rows])
         plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_rows])
@@ -401,21 +425,26 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_ready.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_ready.at[slot])
+            if dropout:
+                plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[slot], hash_ready.at[slot])
 
         _ring_drain((consumed,), slot_of, G * count, stages)
 
 
 # -- the dQ kernel ------------------------------------------------------------------------------
 
-def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, barriers, *,
-               spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
+def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dq_ref, smem, barriers,
+               *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
     # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk],
-    # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32 (GMEM)
+    # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
+    # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # q_smem [W, rows, Dqk] (then dQ's epilogue), do_smem [W, rows, Dv], lse_smem,
     # delta_smem [W, rows] f32, k_smem [stages, bkv, Dqk], v_smem [stages, bkv, Dv],
-    # ds_smem [W, rows, bkv] (interpret only, else None)
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem = smem
-    q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready, k_consumed, v_consumed = barriers
+    # ds_smem [W, rows, bkv] (interpret only, else None), hash_smem [W, rows] uint32 or None
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, hash_smem = smem
+    (q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready, k_consumed, v_consumed,
+     hash_ready) = barriers
+    dropout = hash_ref is not None
     W, stages, bkv = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq
     rows = bs.block_q_dq // W
     dtype = jnp.dtype(spec.dtype)
@@ -436,10 +465,15 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
         plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[wg], do_ready.at[wg])
         plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_ready.at[wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
+        if dropout:
+            plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[wg], hash_ready.at[wg])
         for barrier in (q_ready, do_ready, lse_ready, delta_ready):
             plgpu.barrier_wait(barrier.at[wg])
         lse = plgpu.load(lse_smem.at[wg], layout=ROW)
         delta = plgpu.load(delta_smem.at[wg], layout=ROW)
+        if dropout:
+            plgpu.barrier_wait(hash_ready.at[wg])
+            row_hash = plgpu.load(hash_smem.at[wg], layout=ROW)
         accumulate = _mma_from_smem if interpret else _mma_from_registers
         staging = None if ds_smem is None else (ds_smem.at[wg],)
         kv_tail = spec.kv_len % bkv != 0
@@ -460,6 +494,10 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
                 q_pos = _iota((rows, bkv), 0) + (row0 + spec.diagonal_offset)
                 s2 = _mask(s2, q_pos, key, spec, kv_tail)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
+            if dropout:
+                keep = dropout_keep(row_hash, step * bkv, p.shape, 1,
+                                    dropout_threshold(spec.dropout_rate))
+                dp = jnp.where(keep, dp, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
             if dcap is not None:
                 ds = ds * dcap
@@ -471,7 +509,8 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
         dq = lax.fori_loop(r.lo, r.full_lo, functools.partial(kv_step, masked=True), dq)
         dq = lax.fori_loop(r.full_lo, r.full_hi, functools.partial(kv_step, masked=False), dq)
         dq = lax.fori_loop(r.full_hi, r.hi, functools.partial(kv_step, masked=True), dq)
-        q_smem.at[wg][...] = (dq * spec.scale).astype(dtype)  # Q is no longer read
+        dq_scale = spec.scale / (1.0 - spec.dropout_rate)  # dropout's 1 / (1 - r) here too
+        q_smem.at[wg][...] = (dq * dq_scale).astype(dtype)  # Q is no longer read
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[q_rows])
         plgpu.wait_smem_to_gmem(0)
@@ -505,11 +544,12 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
 
 def check(spec: AttentionSpec, bs: BackwardBlockSizes) -> None:
     """NotImplementedError for a call these kernels cannot run, ValueError for a bad tile."""
-    features = {"bias": spec.has_bias, "dropout": spec.has_dropout,
-                "segments": spec.segments is not None}
+    features = {"bias": spec.has_bias, "segments": spec.segments is not None}
     if missing := [name for name, used in features.items() if used]:
         raise NotImplementedError(f"pallas_mosaic_gpu_sm90 backward: {', '.join(missing)} not "
                                   "implemented yet (band masks only, as the forward)")
+    if not 0.0 <= spec.dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate={spec.dropout_rate!r} must be in [0, 1)")
     if spec.softmax not in SOFTMAX_TYPES:
         raise ValueError(f"softmax={spec.softmax!r} must be one of {SOFTMAX_TYPES}")
     if spec.logits_soft_cap is not None and not spec.logits_soft_cap > 0:
@@ -546,15 +586,19 @@ def _check_arrays(q, k, v, out, lse, do, spec: AttentionSpec, sink):
 
 
 def _launch(kernel, inputs, out_type, smem, barriers, grid, grid_names, bs, interpret):
-    """plgpu.kernel over `grid` with W compute + 1 memory warpgroup; None scratch entries are
-    passed through as None."""
+    """plgpu.kernel over `grid` with W compute + 1 memory warpgroup; None inputs and scratch
+    entries are passed through as None."""
     n_smem = len(smem)
+    present = [x for x in inputs if x is not None]
 
     def entry(*refs):
+        it = iter(refs[:len(present)])
+        in_refs = [None if x is None else next(it) for x in inputs]
+
         def body(*scratch):
             it = iter(scratch)
             allocated = [None if a is None else next(it) for a in smem + barriers]
-            kernel(*refs, allocated[:n_smem], allocated[n_smem:])
+            kernel(*in_refs, *refs[len(present):], allocated[:n_smem], allocated[n_smem:])
 
         pl.run_scoped(body, *[a for a in smem + barriers if a is not None], collective_axes="wg")
 
@@ -563,7 +607,7 @@ def _launch(kernel, inputs, out_type, smem, barriers, grid, grid_names, bs, inte
         num_threads=bs.num_compute_wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(interpret),
-    )(*inputs)
+    )(*present)
 
 
 def _interpret_params(interpret):
@@ -573,42 +617,47 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
-def _dkv(q, k, v, do, lse2, delta, spec, bs, interpret):
+def _dkv(q, k, v, do, lse2, delta, row_hash, spec, bs, interpret):
     W, stages, bq, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_q, jnp.dtype(spec.dtype)
-    rows = bs.block_kv // W
+    rows, dropout = bs.block_kv // W, row_hash is not None
     smem = [_smem((W, rows, spec.qk_dim), dtype), _smem((W, rows, spec.v_dim), dtype),
             _smem((stages, bq, spec.qk_dim), dtype), _smem((stages, bq, spec.v_dim), dtype),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
             _smem((W, rows, bq), dtype) if interpret else None,
-            _smem((W, rows, bq), dtype) if interpret else None]
+            _smem((W, rows, bq), dtype) if interpret else None,
+            plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None]
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
+    barriers += [plgpu.Barrier(num_barriers=stages) if dropout else None]
     kernel = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret)
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
     grid = (k.shape[1] // bs.block_kv, spec.num_kv_heads, spec.batch)
-    return _launch(kernel, (q, k, v, do, lse2, delta), out_type, smem, barriers, grid,
+    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash), out_type, smem, barriers, grid,
                    ("kv", "heads", "batch"), bs, interpret)
 
 
-def _dq(q, k, v, do, lse2, delta, spec, bs, interpret):
+def _dq(q, k, v, do, lse2, delta, row_hash, spec, bs, interpret):
     W, stages, bkv, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq, jnp.dtype(spec.dtype)
-    rows = bs.block_q_dq // W
+    rows, dropout = bs.block_q_dq // W, row_hash is not None
     smem = [_smem((W, rows, spec.qk_dim), dtype), _smem((W, rows, spec.v_dim), dtype),
             plgpu.SMEM((W, rows), jnp.float32), plgpu.SMEM((W, rows), jnp.float32),
             _smem((stages, bkv, spec.qk_dim), dtype), _smem((stages, bkv, spec.v_dim), dtype),
-            _smem((W, rows, bkv), dtype) if interpret else None]
+            _smem((W, rows, bkv), dtype) if interpret else None,
+            plgpu.SMEM((W, rows), jnp.uint32) if dropout else None]
     barriers = [plgpu.Barrier(num_barriers=W) for _ in range(4)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(2)]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) for _ in range(2)]
+    barriers += [plgpu.Barrier(num_barriers=W) if dropout else None]
     kernel = functools.partial(_kernel_dq, spec=spec, bs=bs, interpret=interpret)
     grid = (q.shape[1] // bs.block_q_dq, spec.num_heads, spec.batch)
-    return _launch(kernel, (q, k, v, do, lse2, delta), jax.ShapeDtypeStruct(q.shape, dtype), smem,
-                   barriers, grid, ("q", "heads", "batch"), bs, interpret)
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash), out_type, smem, barriers, grid,
+                   ("q", "heads", "batch"), bs, interpret)
 
 
 def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_lse=None,
-                  block_sizes: BackwardBlockSizes | None = None,
+                  dropout_hash=None, block_sizes: BackwardBlockSizes | None = None,
                   interpret: bool | plgpu.InterpretGPUParams = False):
     """The gradients of `forward_spec(q, k, v, spec, sink=sink)` at cotangent `do`.
 
@@ -620,6 +669,8 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
       d_lse [B, N, T] float32 or None: the cotangent of lse. It adds d_lse_i p_ij to dS_ij,
         which is delta_i - d_lse_i in place of delta_i (and the same for the sink).
       spec: the forward's spec; sink: float32 [N] for softmax="learnable", else None.
+      dropout_hash: uint32 [B, N, T], the forward's `sm90.dropout_row_hash`, when
+        spec.dropout_rate > 0 (else None); out is then the forward's dropped output.
       block_sizes: `default_for(spec)` when None; T and S need not be block multiples.
       interpret: run in Mosaic GPU's interpreter on CPU (see the module doc); an
         `plgpu.InterpretGPUParams` runs it with those settings (e.g. detect_races=True).
@@ -631,6 +682,7 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     bs = default_for(spec) if block_sizes is None else block_sizes
     check(spec, bs)
     _check_arrays(q, k, v, out, lse, do, spec, sink)
+    check_dropout_hash(spec, dropout_hash)
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     if d_lse is not None:
         if d_lse.shape != lse.shape:
@@ -641,6 +693,8 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
         # The sink's probability exp(z - lse) times its (zero) dP minus delta, summed over b, t.
         p_sink = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse)
         dsink = -jnp.sum(p_sink * delta, axis=(0, 2))
+    if spec.has_dropout:  # the kernels' r-free form: dC' = P (dP keep - (1 - r) delta)
+        delta = delta * jnp.float32(1.0 - spec.dropout_rate)
     # Tails: zero-pad T and S to multiples of both kernels' tiles. Padded query rows get
     # q = dO = lse = delta = 0 (finite P, exactly zero dS and dV terms); padded keys are masked.
     q_mult, kv_mult = np.lcm(bs.block_q, bs.block_q_dq), np.lcm(bs.block_kv, bs.block_kv_dq)
@@ -648,7 +702,9 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     kp, vp = _pad_to(k, 1, int(kv_mult)), _pad_to(v, 1, int(kv_mult))
     lse2 = _pad_to(lse * jnp.float32(LOG2E), 2, int(q_mult))
     delta = _pad_to(delta, 2, int(q_mult))
-    dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, spec, bs, interpret)
-    dq = _dq(qp, kp, vp, dop, lse2, delta, spec, bs, interpret)
+    if dropout_hash is not None:  # padded rows have dO = 0: their hash does not matter
+        dropout_hash = _pad_to(dropout_hash, 2, int(q_mult))
+    dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, spec, bs, interpret)
+    dq = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, spec, bs, interpret)
     S, T = spec.kv_len, spec.q_len
     return dq[:, :T], dk[:, :S], dv[:, :S], dsink

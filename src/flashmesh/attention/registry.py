@@ -51,7 +51,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        "cuDNN fused attention through JAX (NVIDIA GPUs)", REVERSE_MODE_ONLY),
         Implementation("pallas_mosaic_gpu", "flashmesh.attention.pallas_mosaic_gpu",
                        "flashmesh's own Hopper kernels in Pallas Mosaic GPU (forward and backward)",
-                       REVERSE_MODE_ONLY),
+                       "first-order reverse-mode autodiff only (a custom VJP over kernels): jax.jvp, "
+                       "jacfwd, hessian and grad of grad raise"),
         Implementation("chunked", "flashmesh.attention.chunked",
                        "blockwise online softmax in JAX, linear memory, any device", REVERSE_MODE_ONLY),
         Implementation("reference", "flashmesh.attention.reference",
