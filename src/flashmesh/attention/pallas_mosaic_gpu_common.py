@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashmesh.attention import masks
-from flashmesh.attention.spec import AttentionInputs, AttentionSpec
+from flashmesh.attention.spec import SOFTMAX_TYPES, AttentionInputs, AttentionSpec
 
 CONFIGS_PATH = pathlib.Path(__file__).with_name("pallas_mosaic_gpu_configs.json")
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one block may use on H100/H200
@@ -340,6 +340,35 @@ class BlockSizes:
                 f"shared memory for qk_dim={spec.qk_dim}, v_dim={spec.v_dim}, {spec.dtype}, "
                 f"softmax={spec.softmax!r}; at most {SMEM_BYTES} (227 KB)")
         return self
+
+
+# -- what the kernels run ----------------------------------------------------------------------
+
+KERNEL_DTYPES = ("bfloat16", "float16")
+
+
+def check_spec(spec: AttentionSpec, kernel: str, max_dim: int | None = None) -> None:
+    """The checks every Mosaic GPU attention kernel makes of a call: NotImplementedError for
+    what none of them runs (bias, segments, other dtypes, head dims off the 128-byte swizzle
+    or above max_dim), ValueError for values out of range. `kernel` names the caller."""
+    features = {"bias": spec.has_bias, "segments": spec.segments is not None}
+    if missing := [name for name, used in features.items() if used]:
+        raise NotImplementedError(f"pallas_mosaic_gpu_sm90 {kernel}: {', '.join(missing)} not "
+                                  "implemented yet (band masks only)")
+    if not 0.0 <= spec.dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate={spec.dropout_rate!r} must be in [0, 1)")
+    if spec.softmax not in SOFTMAX_TYPES:
+        raise ValueError(f"softmax={spec.softmax!r} must be one of {SOFTMAX_TYPES}")
+    if spec.logits_soft_cap is not None and not spec.logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={spec.logits_soft_cap!r} must be positive or None")
+    if spec.dtype not in KERNEL_DTYPES:
+        raise NotImplementedError(f"dtype={spec.dtype}: the kernels take {KERNEL_DTYPES}")
+    step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
+    for name, dim in (("qk_dim", spec.qk_dim), ("v_dim", spec.v_dim)):
+        if dim % step or (max_dim is not None and dim > max_dim):
+            bound = "" if max_dim is None else f" of at most {max_dim}"
+            raise NotImplementedError(f"{name}={dim}: must be a multiple of {step}{bound} for "
+                                      f"{spec.dtype} (128-byte swizzle; narrower swizzles not yet)")
 
 
 # -- the tuned table --------------------------------------------------------------------------

@@ -102,13 +102,14 @@ from jaxlib.mlir.dialects import llvm
 from jaxtyping import Array, Float
 
 from flashmesh.attention import masks
-from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_BYTES, SWIZZLE_BYTES,
-                                                            WARPGROUP, BlockSizes, band_kv_range)
-from flashmesh.attention.spec import EMPTY_ROW_LSE, SOFTMAX_TYPES, AttentionInputs, AttentionSpec
+from flashmesh.attention.pallas_mosaic_gpu_common import (KERNEL_DTYPES, SMEM_ALIGNMENT, SMEM_BYTES,
+                                                            SWIZZLE_BYTES, WARPGROUP, BlockSizes,
+                                                            band_kv_range, check_spec)
+from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-DTYPES = ("bfloat16", "float16")
+DTYPES = KERNEL_DTYPES
 # masks.dropout_keep's multipliers of the batch index (first round) and key index (last round).
 DROPOUT_BATCH_MULT = 0x9E3779B1
 DROPOUT_KEY_MULT = 0x85EBCA77
@@ -485,53 +486,38 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
     @pl.when(wg == W)
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
-        kv_head = lax.div(head, jnp.int32(spec.group_size))
+        stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
+                  batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=lo, hi=hi,
+                  bkv=bkv, stages=stages, slot_of=slot_of)
 
-        @pl.loop(lo, hi)
-        def _(step):
-            slot, reuse = slot_of(step), step - lo >= stages
-            rows_kv = (batch, pl.ds(step * bkv, bkv), kv_head)
 
+def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int, stages: int, slot_of):
+    """The memory warpgroup's K/V ring (forward and dQ kernels): for key tiles lo .. hi - 1,
+    wait until the slot's last reader released it (from the `stages`-th tile on), then TMA K
+    and V into it, each with its own ready barrier (so P·V waits only for V). Then observe the
+    release of the last (up to `stages`) slots too, so every phase of the consumed barriers is
+    waited for exactly once (the interpreter checks this at deallocation; on hardware it keeps
+    the phases in step). refs, smems, ready, consumed: (K, V) pairs; slot_of(step) -> slot."""
+    @pl.loop(lo, hi)
+    def _(step):
+        slot, reuse = slot_of(step), step - lo >= stages
+        rows = (batch, pl.ds(step * bkv, bkv), kv_head)
+        for ref, smem, arrived, released in zip(refs, smems, ready, consumed):
             @pl.when(reuse)
             def _():
-                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(released.at[slot])
 
-            plgpu.copy_gmem_to_smem(k_ref.at[rows_kv], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], arrived.at[slot])
 
-            @pl.when(reuse)
-            def _():
-                plgpu.barrier_wait(v_consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(v_ref.at[rows_kv], v_smem.at[slot], v_ready.at[slot])
-
-        # Drain: observe the release of the last (up to num_stages) slots too, so every phase
-        # of the consumed barriers is waited for exactly once (the interpreter checks this at
-        # deallocation; on hardware it keeps the barrier phases in step for a persistent loop).
-        @pl.loop(jnp.maximum(hi - stages, lo), hi)
-        def _(step):
-            plgpu.barrier_wait(k_consumed.at[slot_of(step)])
-            plgpu.barrier_wait(v_consumed.at[slot_of(step)])
+    @pl.loop(jnp.maximum(hi - stages, lo), hi)
+    def _(step):
+        for released in consumed:
+            plgpu.barrier_wait(released.at[slot_of(step)])
 
 
 def check(spec: AttentionSpec, bs: BlockSizes) -> None:
     """NotImplementedError for a call this kernel cannot run, ValueError for a bad tile."""
-    features = {"bias": spec.has_bias, "segments": spec.segments is not None}
-    if missing := [name for name, used in features.items() if used]:
-        raise NotImplementedError(f"pallas_mosaic_gpu_sm90 forward: {', '.join(missing)} not "
-                                  "implemented yet (band masks only)")
-    if not 0.0 <= spec.dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate={spec.dropout_rate!r} must be in [0, 1)")
-    if spec.softmax not in SOFTMAX_TYPES:
-        raise ValueError(f"softmax={spec.softmax!r} must be one of {SOFTMAX_TYPES}")
-    if spec.logits_soft_cap is not None and not spec.logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap={spec.logits_soft_cap!r} must be positive or None")
-    if spec.dtype not in DTYPES:
-        raise NotImplementedError(f"dtype={spec.dtype}: the kernel takes {DTYPES}")
-    step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
-    for name, dim in (("qk_dim", spec.qk_dim), ("v_dim", spec.v_dim)):
-        if dim % step:
-            raise NotImplementedError(f"{name}={dim}: must be a multiple of {step} for "
-                                      f"{spec.dtype} (128-byte swizzle; narrower swizzles not yet)")
+    check_spec(spec, "forward")
     bs.validate_for(spec)
     if (smem := smem_bytes(spec, bs)) > SMEM_BYTES:
         raise ValueError(f"BlockSizes(block_q={bs.block_q}, block_kv={bs.block_kv}, num_stages="

@@ -71,10 +71,11 @@ import numpy as np
 from jax import lax
 
 from flashmesh.attention.pallas_mosaic_gpu_common import (
-    REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range)
-from flashmesh.attention.pallas_mosaic_gpu_sm90 import (DTYPES, LOG2E, check_dropout_hash,
+    REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range,
+    check_spec)
+from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, check_dropout_hash, stream_kv,
                                                          dropout_keep, dropout_threshold)
-from flashmesh.attention.spec import SOFTMAX_TYPES, AttentionSpec
+from flashmesh.attention.spec import AttentionSpec
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
@@ -518,49 +519,16 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dq_ref
     @pl.when(wg == W)
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
-        kv_head = lax.div(head, jnp.int32(spec.group_size))
-
-        @pl.loop(r.lo, r.hi)
-        def _(step):
-            slot, reuse = slot_of(step), step - r.lo >= stages
-            kv_rows = (batch, pl.ds(step * bkv, bkv), kv_head)
-
-            @pl.when(reuse)
-            def _():
-                plgpu.barrier_wait(k_consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
-
-            @pl.when(reuse)
-            def _():
-                plgpu.barrier_wait(v_consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
-
-        _ring_drain((k_consumed, v_consumed), lambda s: slot_of(s + r.lo), r.hi - r.lo, stages)
+        stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
+                  batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=r.lo, hi=r.hi,
+                  bkv=bkv, stages=stages, slot_of=slot_of)
 
 
 # -- the wrapper --------------------------------------------------------------------------------
 
 def check(spec: AttentionSpec, bs: BackwardBlockSizes) -> None:
     """NotImplementedError for a call these kernels cannot run, ValueError for a bad tile."""
-    features = {"bias": spec.has_bias, "segments": spec.segments is not None}
-    if missing := [name for name, used in features.items() if used]:
-        raise NotImplementedError(f"pallas_mosaic_gpu_sm90 backward: {', '.join(missing)} not "
-                                  "implemented yet (band masks only, as the forward)")
-    if not 0.0 <= spec.dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate={spec.dropout_rate!r} must be in [0, 1)")
-    if spec.softmax not in SOFTMAX_TYPES:
-        raise ValueError(f"softmax={spec.softmax!r} must be one of {SOFTMAX_TYPES}")
-    if spec.logits_soft_cap is not None and not spec.logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap={spec.logits_soft_cap!r} must be positive or None")
-    if spec.dtype not in DTYPES:
-        raise NotImplementedError(f"dtype={spec.dtype}: the kernels take {DTYPES}")
-    step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
-    for name, dim in (("qk_dim", spec.qk_dim), ("v_dim", spec.v_dim)):
-        if dim % step or dim > 256:
-            raise NotImplementedError(f"{name}={dim}: must be a multiple of {step} of at most 256 "
-                                      f"for {spec.dtype} (128-byte swizzle, WGMMA's N)")
+    check_spec(spec, "backward", max_dim=256)  # 256: WGMMA's N
     bs.validate_for(spec)
 
 
