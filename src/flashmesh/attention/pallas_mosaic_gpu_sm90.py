@@ -292,7 +292,6 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
         cap = spec.logits_soft_cap
         # Fold scale2 into exp2's argument, exp2(s scale2 - m): one FMA per logit (FA3).
         fold = cap is None and spec.scale > 0
-        left, right = spec.window
         kv_tail = spec.kv_len % bkv != 0  # the last key tile holds padded columns past S
         has_sink = spec.softmax != "vanilla"
         threshold = dropout_threshold(spec.dropout_rate)
@@ -343,16 +342,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
             if masked:  # only the boundary tiles of [lo, hi) pay for the mask
                 i = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 0, layout=plgpu.Layout.WGMMA)
                 j = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 1, layout=plgpu.Layout.WGMMA)
-                col = j + step * bkv
-                d = (i + (row0 + spec.diagonal_offset)) - col  # query pos - key pos
-                visible = []
-                if left >= 0:
-                    visible.append(d <= left)
-                if right >= 0:
-                    visible.append(d >= -right)
-                if kv_tail:  # padded keys past S get zero weight
-                    visible.append(col < spec.kv_len)
-                s = jnp.where(functools.reduce(operator.and_, visible), s, -jnp.inf)
+                s = band_mask(s, i + (row0 + spec.diagonal_offset), j + step * bkv, spec, kv_tail)
             m_tile = s.max(axis=1) * scale2 if fold else s.max(axis=1)
             m_new = jnp.maximum(m_i, m_tile)
             if masked and not has_sink:  # with a sink m starts finite
@@ -489,6 +479,21 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
         stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
                   batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=lo, hi=hi,
                   bkv=bkv, stages=stages, slot_of=slot_of)
+
+
+def band_mask(s, q_pos, key, spec: AttentionSpec, kv_tail: bool):
+    """s with -inf where query position q_pos does not see key index key (same shapes): the
+    window's bounds, and with kv_tail the padded keys past S (forward and backward kernels)."""
+    left, right = spec.window
+    d = q_pos - key
+    visible = []
+    if left >= 0:
+        visible.append(d <= left)
+    if right >= 0:
+        visible.append(d >= -right)
+    if kv_tail:  # padded keys past S get zero weight
+        visible.append(key < spec.kv_len)
+    return jnp.where(functools.reduce(operator.and_, visible), s, -jnp.inf)
 
 
 def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int, stages: int, slot_of):

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.experimental.pallas as pl
@@ -73,7 +72,7 @@ from jax import lax
 from flashmesh.attention.pallas_mosaic_gpu_common import (
     REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range,
     check_spec)
-from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, check_dropout_hash, stream_kv,
+from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, band_mask, check_dropout_hash, stream_kv,
                                                          dropout_keep, dropout_threshold)
 from flashmesh.attention.spec import AttentionSpec
 
@@ -249,18 +248,6 @@ def _logits2(s, spec: AttentionSpec):
     return t * (cap * LOG2E), 1.0 - t * t
 
 
-def _mask(s2, q_pos, key, spec: AttentionSpec, kv_tail: bool):
-    """s2 with -inf where query position q_pos does not see key index key (same shapes)."""
-    left, right = spec.window
-    d = q_pos - key
-    visible = []
-    if left >= 0:
-        visible.append(d <= left)
-    if right >= 0:
-        visible.append(d >= -right)
-    if kv_tail:  # padded keys past S get zero weight
-        visible.append(key < spec.kv_len)
-    return jnp.where(functools.reduce(operator.and_, visible), s2, -jnp.inf)
 
 
 def _iota(shape, dim):
@@ -370,7 +357,7 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dk_re
             if masked:  # rows are keys, columns queries
                 key = _iota((rows, bq), 0) + key0
                 q_pos = _iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
-                st2 = _mask(st2, q_pos, key, spec, kv_tail)
+                st2 = band_mask(st2, q_pos, key, spec, kv_tail)
             lse = plgpu.load(lse_smem.at[slot], layout=COL)
             delta = plgpu.load(delta_smem.at[slot], layout=COL)
             pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
@@ -493,7 +480,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dq_ref
             if masked:
                 key = _iota((rows, bkv), 1) + step * bkv
                 q_pos = _iota((rows, bkv), 0) + (row0 + spec.diagonal_offset)
-                s2 = _mask(s2, q_pos, key, spec, kv_tail)
+                s2 = band_mask(s2, q_pos, key, spec, kv_tail)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if dropout:
                 keep = dropout_keep(row_hash, step * bkv, p.shape, 1,
