@@ -121,3 +121,11 @@ def test_custom_vjp_with_lse_cotangent_in_the_interpreter():
     # the lse cotangent matters: without it the gradients differ
     no_lse = jax.grad(lambda q: jnp.sum(mine(dataclasses.replace(inputs, q=q))[0].astype(jnp.float32) * g))(q)
     assert _rel(no_lse, want[0]) > 0.05
+
+
+def test_describe_names_the_tiles_and_their_source():
+    text = pallas_mosaic_gpu.describe(_spec(D=128, mask="causal"), "NVIDIA H200")
+    assert "forward tiles 128x" in text and "backward dK/dV 64x128" in text
+    assert "table entry" in text or "heuristic" in text
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        pallas_mosaic_gpu.describe(_spec(), "NVIDIA A100-SXM4-80GB")

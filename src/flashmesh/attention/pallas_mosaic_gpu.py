@@ -79,20 +79,41 @@ def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = 
     del automatic  # runs every call it accepts at kernel speed
     if platform != "gpu":
         return f"needs an NVIDIA Hopper GPU (platform is {platform!r})"
-    return static_reason(spec) or _device_reason()
+    reason = static_reason(spec) or _device_reason()
+    if reason is None:
+        try:  # the tiles this device's table (or the heuristic) gives the call
+            config(spec)
+        except (NotImplementedError, ValueError) as e:
+            reason = f"no tile configuration fits this call: {e}"
+    return reason
 
 
-def config(spec: AttentionSpec):
-    """(forward BlockSizes, backward BackwardBlockSizes) a call gets (shown by `explain`).
+def config(spec: AttentionSpec, device_kind: str | None = None):
+    """(forward BlockSizes, backward BackwardBlockSizes) a call gets on a device (jax's
+    device_kind, default: this machine's); shown by `explain` through `describe`.
     With dropout the forward drops stages while its row hashes do not fit in shared memory."""
     from flashmesh.attention import pallas_mosaic_gpu_common as common
     from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 
-    fwd = common.default_for(spec, jax.devices()[0].device_kind)
+    fwd = common.default_for(spec, device_kind or jax.devices()[0].device_kind)
     while fwd.num_stages > 1 and sm90.smem_bytes(spec, fwd) > common.SMEM_BYTES:
         fwd = dataclasses.replace(fwd, num_stages=fwd.num_stages - 1)
     return fwd, bwd.default_for(spec)
+
+
+def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
+    """The tiles a call gets and where they come from (the tuned table or the heuristic)."""
+    from flashmesh.attention import pallas_mosaic_gpu_common as common
+
+    kind = device_kind or jax.devices()[0].device_kind
+    fwd, back = config(spec, kind)
+    entry = common.matching_entry(spec, kind)
+    source = ("the heuristic (no table entry)" if entry is None else
+              f"table entry {entry.get('anchor', entry['key'])} ({'tuned' if entry.get('tuned') else 'untuned'})")
+    return (f"forward tiles {fwd.block_q}x{fwd.block_kv}, {fwd.num_stages} stages, {fwd.num_compute_wgs} "
+            f"compute warpgroups from {source}; backward dK/dV {back.block_q}x{back.block_kv}, dQ "
+            f"{back.block_q_dq}x{back.block_kv_dq}, {back.num_stages} stages")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

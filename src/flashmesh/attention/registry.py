@@ -5,6 +5,9 @@ Each implementation is a module with two functions:
     unsupported_reason(spec, platform, *, automatic=False) -> str | None
     attention(inputs, spec) -> (out [B, T, N, Dv], lse [B, N, T])
 
+and optionally `describe(spec) -> str`: what a call it runs gets (e.g. its kernel tiles),
+shown by `explain`.
+
 `unsupported_reason` says, early and in words, why a call cannot run (None = it can); with
 `automatic=True` an implementation may also decline calls it runs poorly (the reference
 declines huge logits). Naming an implementation runs exactly that one or raises
@@ -119,6 +122,8 @@ class Explanation:
                 mark, text = "+", "ok" + (f"; not chosen automatically: {row.declines}" if row.declines else "")
             if row.reason is None and IMPLEMENTATIONS[row.name].notes:
                 text += f"; {IMPLEMENTATIONS[row.name].notes}"
+            if row.reason is None and hasattr(IMPLEMENTATIONS[row.name].module, "describe"):
+                text += f"; {IMPLEMENTATIONS[row.name].module.describe(self.spec)}"
             lines.append(f"  {mark} {row.name:17s} {text}")
         if self.fp8 is not None:
             lines.append(f"  FP8 attention (autocast, fp8_dpa=True): {self.fp8}")
