@@ -25,6 +25,7 @@ import flashmesh
 from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
 from flashmesh.attention.spec import EMPTY_ROW_LSE
+from mosaic_testing import interpreter  # noqa: F401  (a fixture)
 from semantics import assert_close, assert_fa_rule
 
 
@@ -178,14 +179,6 @@ def check_case(case: Case, *, interpret: bool):
     assert (case.name != "empty_rows") or empty.sum() == 192
     assert (case.name != "off_by_one_empty_rows") or empty.sum() == 64
     assert (case.name != "three_wg_ring_empty_tile") or empty.sum() == 256  # all of tile 0 + 64
-
-
-@pytest.fixture
-def interpreter():
-    yield
-    # The interpreter keeps global state after a failed kernel; reset it for the next test.
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
-    reset_gpu_interpret_mode_state()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -33,6 +33,7 @@ from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention import reference
 from flashmesh.attention.pallas_mosaic_gpu_common import q_ranges
 from flashmesh.attention.spec import AttentionInputs
+from mosaic_testing import interpreter, rel_l2  # noqa: F401  (interpreter: a fixture)
 
 BBS = bwd.BackwardBlockSizes
 
@@ -110,17 +111,6 @@ def make_inputs(case: Case, seed: int = 0):
     return q, k, v, do, sink
 
 
-def rel_l2(name: str, actual, expected, tol: float):
-    a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    assert a.shape == e.shape, (name, a.shape, e.shape)
-    assert np.isfinite(a).all(), f"{name}: {np.sum(~np.isfinite(a))} non-finite elements"
-    err = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
-    if err > tol:
-        idx = np.unravel_index(np.argmax(np.abs(a - e)), a.shape)
-        raise AssertionError(f"{name}: relative L2 error {err:.3g} > {tol:.3g}; worst at {idx}: "
-                             f"got {a[idx]!r}, expected {e[idx]!r}")
-
-
 def check_case(case: Case, *, interpret):
     q, k, v, do, sink = make_inputs(case)
     spec = sm90.spec_for(q, k, v, scale=1.0 / np.sqrt(case.Dqk), window=case.window,
@@ -158,14 +148,6 @@ def check_case(case: Case, *, interpret):
     assert case.name != "empty_rows" or empty_q.sum() == 192
     assert case.name != "tails_window_soft_cap_empty_rows" or empty_q.sum() == 104
     assert case.name != "window_left_unseen_keys" or unseen_k.sum() == 128
-
-
-@pytest.fixture
-def interpreter():
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
-    yield ipc
-    # The interpreter keeps global state after a failed kernel; reset it for the next test.
-    ipc.reset_gpu_interpret_mode_state()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

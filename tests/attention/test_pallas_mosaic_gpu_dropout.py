@@ -36,6 +36,7 @@ from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention.api import normalize
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
+from mosaic_testing import interpreter, rel_l2  # noqa: F401  (interpreter: a fixture)
 
 BBS = bwd.BackwardBlockSizes
 ONE_WG = BlockSizes(block_q=64, block_kv=64, num_stages=2, num_compute_wgs=1)
@@ -43,26 +44,6 @@ ONE_WG_BWD = BBS(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, num_sta
                  num_compute_wgs=1)
 TWO_WG = BlockSizes(block_q=128, block_kv=64, num_stages=2, num_compute_wgs=2)
 TWO_WG_BWD = BBS(num_stages=2)
-
-
-@pytest.fixture
-def interpreter():
-    yield
-    # The interpreter keeps global state after a failed kernel; reset it for the next test.
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
-
-
-def rel_l2(name: str, actual, expected, tol: float):
-    a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    assert a.shape == e.shape, (name, a.shape, e.shape)
-    assert np.isfinite(a).all(), f"{name}: {np.sum(~np.isfinite(a))} non-finite elements"
-    err = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
-    if err > tol:
-        idx = np.unravel_index(np.argmax(np.abs(a - e)), a.shape)
-        raise AssertionError(f"{name}: relative L2 error {err:.3g} > {tol:.3g}; worst at {idx}: "
-                             f"got {a[idx]!r}, expected {e[idx]!r}")
-    return err
 
 
 def expected_keep(inputs, rate: float, B: int, N: int, T: int, S: int) -> np.ndarray:
