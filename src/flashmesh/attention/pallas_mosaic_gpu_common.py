@@ -349,12 +349,10 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 
 def check_spec(spec: AttentionSpec, kernel: str, max_dim: int | None = None) -> None:
     """The checks every Mosaic GPU attention kernel makes of a call: NotImplementedError for
-    what none of them runs (bias, segments, other dtypes, head dims off the 128-byte swizzle
-    or above max_dim), ValueError for values out of range. `kernel` names the caller."""
-    features = {"bias": spec.has_bias, "segments": spec.segments is not None}
-    if missing := [name for name, used in features.items() if used]:
-        raise NotImplementedError(f"pallas_mosaic_gpu_sm90 {kernel}: {', '.join(missing)} not "
-                                  "implemented yet (band masks only)")
+    what none of them runs (bias, other dtypes, head dims off the 128-byte swizzle or above
+    max_dim), ValueError for values out of range. `kernel` names the caller."""
+    if spec.has_bias:
+        raise NotImplementedError(f"pallas_mosaic_gpu_sm90 {kernel}: bias not implemented yet")
     if not 0.0 <= spec.dropout_rate < 1.0:
         raise ValueError(f"dropout_rate={spec.dropout_rate!r} must be in [0, 1)")
     if spec.softmax not in SOFTMAX_TYPES:

@@ -59,12 +59,20 @@ l sums the undropped probabilities, so lse is unchanged. Only the P of O += P V 
 dropped elements, and the 1 / (1 - rate) rescale is folded into the final 1 / l. Key
 numbers other than 0..S-1 (`kv_index`) are not implemented.
 
+Segments and explicit positions (`tables`, pallas_mosaic_gpu_tokens): the CTA's key-tile
+range is read from the block map's per-batch ranges (int32 scalars in global memory) instead
+of `band_kv_range`; each compute warpgroup copies its rows' segment ids (and positions, under a
+window) by TMA like the row hashes, and the memory warpgroup sends each key tile's ids (and
+positions) with V into the same ring slot, released with V. Masked tiles compare ids and
+positions element-wise (`tokens.mask`); FULL tiles (one segment, all visible) skip it.
+Padded tokens (past T, S) are segment 0, so the tables need no separate tail mask.
+
 Implemented: causal and (left, right) windows in both alignments (top-left, bottom-right),
 any scale, GQA/MQA, Dqk != Dv, bf16/f16 inputs with float32 accumulation, lse [B, N, T] in
 the natural-log convention of reference.py, sequence tails (wrapper padding), the logit soft
-cap, the off-by-one and learnable sink softmax, and dropout. Not implemented
-(NotImplementedError): head dims that are not multiples of 64 (the 128-byte swizzle), bias,
-segments, dropout with global key numbers (kv_index). The backward pass is in
+cap, the off-by-one and learnable sink softmax, dropout, packed segments and explicit
+positions. Not implemented (NotImplementedError): head dims that are not multiples of 64 (the
+128-byte swizzle), bias, dropout with global key numbers (kv_index). The backward pass is in
 pallas_mosaic_gpu_sm90_bwd. Not yet done for speed: OOB-filled TMA loads instead of padded input
 copies (the padding only runs for tails), per-warpgroup ranges, a persistent grid, named
 barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale.
@@ -102,6 +110,7 @@ from jaxlib.mlir.dialects import llvm
 from jaxtyping import Array, Float
 
 from flashmesh.attention import masks
+from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (KERNEL_DTYPES, SMEM_ALIGNMENT, SMEM_BYTES,
                                                             SWIZZLE_BYTES, WARPGROUP, BlockSizes,
                                                             band_kv_range, check_spec)
@@ -155,10 +164,11 @@ def dropout_keep(row_hash, key0, shape, key_dim: int, threshold: int):
 
 def smem_bytes(spec: AttentionSpec, bs: BlockSizes) -> int:
     """The forward's shared memory as Mosaic GPU counts it: `BlockSizes.smem_bytes` plus, with
-    dropout, the warpgroups' uint32 row hashes and their W barriers."""
-    extra = 0
+    dropout, the warpgroups' uint32 row hashes and their W barriers, and with segments or
+    positions the token tables (`pallas_mosaic_gpu_tokens.smem_bytes`)."""
+    extra = tokens.smem_bytes(spec, bs.block_q, bs.block_kv, bs.num_stages, bs.num_compute_wgs)
     if spec.has_dropout:
-        extra = -(-bs.block_q * 4 // SMEM_ALIGNMENT) * SMEM_ALIGNMENT + 8 * bs.num_compute_wgs
+        extra += -(-bs.block_q * 4 // SMEM_ALIGNMENT) * SMEM_ALIGNMENT + 8 * bs.num_compute_wgs
     return bs.smem_bytes(spec) + extra
 
 
@@ -243,18 +253,23 @@ def _pair_in_turn(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_
     return acc, on_s(s)
 
 
-def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, barriers, *,
-            spec: AttentionSpec, bs: BlockSizes, interpret: bool):
+def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, tok_refs, out_ref, lse_ref, smem, barriers,
+            *, spec: AttentionSpec, bs: BlockSizes, interpret: bool):
     # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv] (GMEM, padded to the
     # block multiples Tp, Sp); sink_ref [N, rows] f32 (the sink logit times log2 e) or None;
-    # hash_ref [B, N, Tp] uint32 (dropout_row_hash) or None
+    # hash_ref [B, N, Tp] uint32 (dropout_row_hash) or None; tok_refs None or (ranges
+    # [B, Tp / block_q, 4], q tables ([B, Tp] ids, positions under a window), kv tables [B, Sp])
     # out_ref [B, Tp, N, Dv], lse_ref [B, N, Tp] float32 (GMEM)
     # q_smem [W, rows, Dqk], k_smem [stages, block_kv, Dqk], v_smem [stages, block_kv, Dv],
     # o_smem [W, rows, Dv] or None (O staged in q_smem), lse_smem [W, rows] f32,
     # p_smem [W, rows, block_kv] or None, sink_smem [W, rows] f32 or None,
-    # hash_smem [W, rows] uint32 or None
-    q_smem, k_smem, v_smem, o_smem, lse_smem, p_smem, sink_smem, hash_smem = smem
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, sink_ready, hash_ready = barriers
+    # hash_smem [W, rows] uint32 or None; qtok_smem: [W, rows] int32 per q table,
+    # kvtok_smem: [stages, block_kv] int32 per kv table (empty without tables)
+    q_smem, k_smem, v_smem, o_smem, lse_smem, p_smem, sink_smem, hash_smem = smem[:8]
+    q_ready, k_ready, v_ready, k_consumed, v_consumed, sink_ready, hash_ready = barriers[:7]
+    n_tok = len(smem[8:]) // 2
+    qtok_smem, kvtok_smem = smem[8:8 + n_tok], smem[8 + n_tok:]
+    qtok_ready, kvtok_ready = barriers[7:7 + n_tok], barriers[7 + n_tok:]
     W, rows, stages, bkv = bs.num_compute_wgs, bs.rows_per_wg, bs.num_stages, bs.block_kv
     o_in_q = o_smem is None
     o_smem = q_smem if o_in_q else o_smem
@@ -267,8 +282,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
     wg = lax.axis_index("wg")
     # One range per CTA, so every compute warpgroup consumes every tile the producer loads
     # (and the ping-pong turns pair up).
-    r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                      diagonal_offset=spec.diagonal_offset, block_q=bs.block_q, block_kv=bkv)
+    if tok_refs is None:
+        r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                          diagonal_offset=spec.diagonal_offset, block_q=bs.block_q, block_kv=bkv)
+    else:  # segments: the block map's ranges of this batch row
+        r = tokens.load_ranges(tok_refs[0], batch, q_tile)
     lo, full_lo, full_hi, hi = r.lo, r.full_lo, r.full_hi, r.hi
 
     def slot_of(step):
@@ -285,6 +303,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
         if hash_ref is not None:
             plgpu.copy_gmem_to_smem(hash_ref.at[batch, head, pl.ds(row0, rows)], hash_smem.at[wg],
                                     hash_ready.at[wg])
+        for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(row0, rows)], buf.at[wg], ready.at[wg])
         pv = _pv_from_smem if interpret else _pv_from_registers
         pair = _pair_in_turn if interpret else _pair_in_flight
         p_wg = None if p_smem is None else p_smem.at[wg]
@@ -296,6 +316,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
         has_sink = spec.softmax != "vanilla"
         threshold = dropout_threshold(spec.dropout_rate)
         row_hash = None  # dropout: the warpgroup's row hashes, loaded before the main loop
+        q_tokens = None  # segments: the warpgroup's (ids, positions), loaded before the loop
 
         # Ping-pong (FA3's warp scheduler barrier): warpgroup w waits on named barrier
         # base + w before issuing a block of GEMMs and then signals base + (w + 1) % W. Mosaic
@@ -332,14 +353,22 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
         def softmax(s, m_i, l_i, step, masked: bool):
             """Online softmax of one tile of raw logits s: (P in the input dtype, new m, new l,
             alpha = exp2(m_old - m_new), the factor O must be rescaled by)."""
-            masked = masked and (spec.has_window or kv_tail)  # else every tile is FULL
+            # else every tile is FULL
+            masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
+            slot = slot_of(step)
+            for ready in kvtok_ready:  # every step observes its phase, masked or not
+                plgpu.barrier_wait(ready.at[slot])
             if cap is not None:  # cap tanh(scale s / cap) in log2 units, tanh x = 1 - 2 /
                 # (exp(2x) + 1): exact at both ends, finer than approx_math's tanh.approx.
                 e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
                 s = (1.0 - 2.0 / (e + 1.0)) * (cap * LOG2E)
             elif not fold:
                 s = s * scale2
-            if masked:  # only the boundary tiles of [lo, hi) pay for the mask
+            if masked and tok_refs:  # ids (and positions) of this key tile, from the ring
+                kv_tokens = [plgpu.load(buf.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                             for buf in kvtok_smem]
+                s = tokens.mask(s, q_tokens, kv_tokens + [None], spec, q_dim=0)
+            elif masked:  # only the boundary tiles of [lo, hi) pay for the mask
                 i = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 0, layout=plgpu.Layout.WGMMA)
                 j = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 1, layout=plgpu.Layout.WGMMA)
                 s = band_mask(s, i + (row0 + spec.diagonal_offset), j + step * bkv, spec, kv_tail)
@@ -462,6 +491,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
         if hash_ref is not None:
             plgpu.barrier_wait(hash_ready.at[wg])
             row_hash = plgpu.load(hash_smem.at[wg], layout=row_layout)
+        if tok_refs:
+            for ready in qtok_ready:
+                plgpu.barrier_wait(ready.at[wg])
+            q_tokens = [plgpu.load(buf.at[wg], layout=row_layout) for buf in qtok_smem] + [None]
         plgpu.barrier_wait(q_ready.at[wg])
         main_loop = overlap_loop if bs.intra_wg_overlap else plain_loop
 
@@ -478,7 +511,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, smem, bar
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
         stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
                   batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=lo, hi=hi,
-                  bkv=bkv, stages=stages, slot_of=slot_of)
+                  bkv=bkv, stages=stages, slot_of=slot_of,
+                  extra=tuple(zip(tok_refs[2], kvtok_smem, kvtok_ready)) if tok_refs else ())
 
 
 def band_mask(s, q_pos, key, spec: AttentionSpec, kv_tail: bool):
@@ -496,10 +530,13 @@ def band_mask(s, q_pos, key, spec: AttentionSpec, kv_tail: bool):
     return jnp.where(functools.reduce(operator.and_, visible), s, -jnp.inf)
 
 
-def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int, stages: int, slot_of):
+def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int, stages: int, slot_of,
+              extra=()):
     """The memory warpgroup's K/V ring (forward and dQ kernels): for key tiles lo .. hi - 1,
     wait until the slot's last reader released it (from the `stages`-th tile on), then TMA K
-    and V into it, each with its own ready barrier (so P·V waits only for V). Then observe the
+    and V into it, each with its own ready barrier (so P·V waits only for V). `extra`: (ref
+    [B, Sp], SMEM [stages, bkv], ready barrier) triples (the key tables of segments), copied
+    after V into the same slot and released with it. Then observe the
     release of the last (up to `stages`) slots too, so every phase of the consumed barriers is
     waited for exactly once (the interpreter checks this at deallocation; on hardware it keeps
     the phases in step). refs, smems, ready, consumed: (K, V) pairs; slot_of(step) -> slot."""
@@ -513,6 +550,9 @@ def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int,
                 plgpu.barrier_wait(released.at[slot])
 
             plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], arrived.at[slot])
+        for ref, smem, arrived in extra:
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(step * bkv, bkv)], smem.at[slot],
+                                    arrived.at[slot])
 
     @pl.loop(jnp.maximum(hi - stages, lo), hi)
     def _(step):
@@ -527,7 +567,8 @@ def check(spec: AttentionSpec, bs: BlockSizes) -> None:
     if (smem := smem_bytes(spec, bs)) > SMEM_BYTES:
         raise ValueError(f"BlockSizes(block_q={bs.block_q}, block_kv={bs.block_kv}, num_stages="
                          f"{bs.num_stages}) needs {smem} bytes of shared memory with dropout's "
-                         f"row hashes; at most {SMEM_BYTES} (use fewer stages)")
+                         f"row hashes and the segment tables; at most {SMEM_BYTES} (use fewer "
+                         "stages)")
 
 
 def spec_for(q, k, v, *, scale: float, window=(-1, -1), bottom_right: bool = False,
@@ -564,6 +605,22 @@ def check_dropout_hash(spec: AttentionSpec, dropout_hash) -> None:
                          f"(dropout_row_hash), got {got}")
 
 
+def check_tables(spec: AttentionSpec, tables) -> None:
+    """ValueError unless `tables` is a TokenTables of the call's shapes exactly when its mask
+    reads per-token data (segments or explicit positions)."""
+    if not tokens.needed(spec):
+        if tables is not None:
+            raise ValueError("tables must be None for a call without segments or explicit positions")
+        return
+    if not isinstance(tables, tokens.TokenTables):
+        raise ValueError(f"segments={spec.segments!r} needs tables (pallas_mosaic_gpu_tokens."
+                         f"TokenTables), got {type(tables).__name__}")
+    B, T, S = spec.batch, spec.q_len, spec.kv_len
+    for name, x, shape in zip(tables._fields, tables, ((B, T), (B, S), (B, T), (B, S))):
+        if x.shape != shape or x.dtype != jnp.int32:
+            raise ValueError(f"tables.{name} must be int32 {shape}, got {x.dtype} {x.shape}")
+
+
 def _sink_rows(spec: AttentionSpec, sink, rows: int):
     """The learnable sink as the kernel reads it: [N, rows] f32 of sink[n] * log2 e (one row
     of a warpgroup's TMA copy per head), None for the other softmax types."""
@@ -583,13 +640,16 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
 
 
-def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None,
+def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, tables=None,
                  block_sizes: BlockSizes | None = None, interpret: bool = False):
     """`forward` for a normalised spec (what the registry calls). dropout_hash: uint32
-    [B, N, T] from `dropout_row_hash` when spec.dropout_rate > 0, else None."""
+    [B, N, T] from `dropout_row_hash` when spec.dropout_rate > 0, else None. tables: the
+    call's `pallas_mosaic_gpu_tokens.TokenTables` when it has segments or explicit positions
+    (`tokens.from_inputs`), else None."""
     bs = BlockSizes() if block_sizes is None else block_sizes
     check(spec, bs)
     check_dropout_hash(spec, dropout_hash)
+    check_tables(spec, tables)
     sink_rows = _sink_rows(spec, sink, bs.rows_per_wg)
     if dropout_hash is not None:
         dropout_hash = _pad_to(dropout_hash, 2, bs.block_q)  # padded rows are dropped anyway
@@ -600,6 +660,9 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None,
     Tp = q.shape[1]
     W = bs.num_compute_wgs
     dtype = jnp.dtype(spec.dtype)
+    tok = None if tables is None else tokens.kernel_arrays(spec, tables, bs.block_q, bs.block_kv,
+                                                           q_len=Tp, kv_len=k.shape[1])
+    n_tok = tokens.per_side(spec)
     smem = [
         _smem((W, bs.rows_per_wg, spec.qk_dim), dtype),
         _smem((bs.num_stages, bs.block_kv, spec.qk_dim), dtype),
@@ -609,7 +672,8 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None,
         _smem((W, bs.rows_per_wg, bs.block_kv), dtype) if interpret else None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.float32) if sink_rows is not None else None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.uint32) if dropout_hash is not None else None,
-    ]
+    ] + [plgpu.SMEM((W, bs.rows_per_wg), jnp.int32)] * n_tok + [
+        plgpu.SMEM((bs.num_stages, bs.block_kv), jnp.int32)] * n_tok
     barriers = [
         plgpu.Barrier(num_barriers=W),
         plgpu.Barrier(num_barriers=bs.num_stages),
@@ -618,26 +682,31 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None,
         plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages),
         plgpu.Barrier(num_barriers=W) if sink_rows is not None else None,
         plgpu.Barrier(num_barriers=W) if dropout_hash is not None else None,
-    ]
+    ] + [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=bs.num_stages)] * n_tok
     n_smem = len(smem)
     optional = (sink_rows, dropout_hash)
+    tok_inputs = () if tok is None else (tok.ranges,) + tok.q_side + tok.kv_side
 
     def entry(q_ref, k_ref, v_ref, *refs):
         it = iter(refs[:-2])  # the optional inputs that are present, then out and lse
         sink_ref, hash_ref = (None if x is None else next(it) for x in optional)
+        tok_refs = None
+        if tok is not None:
+            ranges_ref, *tables_refs = (next(it) for _ in tok_inputs)
+            tok_refs = (ranges_ref, tables_refs[:n_tok], tables_refs[n_tok:])
         out_ref, lse_ref = refs[-2:]
 
         def body(*scratch):
             it = iter(scratch)  # the None entries take no scratch
             allocated = [None if a is None else next(it) for a in smem + barriers]
-            _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, out_ref, lse_ref, allocated[:n_smem],
-                    allocated[n_smem:], spec=spec, bs=bs, interpret=interpret)
+            _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, tok_refs, out_ref, lse_ref,
+                    allocated[:n_smem], allocated[n_smem:], spec=spec, bs=bs, interpret=interpret)
 
         pl.run_scoped(body, *[a for a in smem + barriers if a is not None], collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((spec.batch, Tp, spec.num_heads, spec.v_dim), dtype),
                 jax.ShapeDtypeStruct((spec.batch, spec.num_heads, Tp), jnp.float32))
-    inputs = (q, k, v) + tuple(x for x in optional if x is not None)
+    inputs = (q, k, v) + tuple(x for x in optional if x is not None) + tok_inputs
     out, lse = plgpu.kernel(
         entry, out_type=out_type,
         grid=(Tp // bs.block_q, spec.num_heads, spec.batch),
@@ -708,6 +777,8 @@ def inputs_dropout_hash(inputs: AttentionInputs, spec: AttentionSpec):
 def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
               block_sizes: BlockSizes | None = None, interpret: bool = False):
     """Forward only, no custom VJP (pallas_mosaic_gpu.attention is the registered backend)."""
+    inputs = masks.without_padding(inputs)
     return forward_spec(inputs.q, inputs.k, inputs.v, spec, sink=inputs.sink,
-                        dropout_hash=inputs_dropout_hash(inputs, spec), block_sizes=block_sizes,
+                        dropout_hash=inputs_dropout_hash(inputs, spec),
+                        tables=tokens.from_inputs(spec, inputs), block_sizes=block_sizes,
                         interpret=interpret)

@@ -43,7 +43,13 @@ to SMEM buffers and each GEMM accumulates into a fresh zero accumulator added af
 (`_mma_from_smem`); on a GPU the register forms run (`_mma_from_registers`). Nothing else
 differs.
 
-Not implemented (NotImplementedError): bias, segments, head dims not multiples of 64 (the
+Segments and explicit positions (`tables`, as the forward's): both kernels take their tile
+ranges from the block map (per batch row; the dK/dV kernel's per key tile, transposed); the
+stationary side's ids (and positions) are copied once per warpgroup, the streamed side's
+arrive with each Q/dO tile (dK/dV kernel, released with it) or K/V tile (dQ kernel, read before
+V's release frees the slot). Masked tiles use `tokens.mask`.
+
+Not implemented (NotImplementedError): bias, head dims not multiples of 64 (the
 128-byte swizzle), dK/dV accumulators beyond the register budget (d256), dropout with global
 key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
 step's (wgmma_wait(1)), ping-pong between
@@ -69,11 +75,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (
     REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range,
     check_spec)
-from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, band_mask, check_dropout_hash, stream_kv,
-                                                         dropout_keep, dropout_threshold)
+from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, band_mask, check_dropout_hash,
+                                                         check_tables, dropout_keep,
+                                                         dropout_threshold, stream_kv)
 from flashmesh.attention.spec import AttentionSpec
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
@@ -137,6 +145,9 @@ class BackwardBlockSizes:
         row = size * d + (12 if spec.has_dropout else 8)  # Q, dO rows; lse, delta (hash)
         dkv = self.num_stages * self.block_q * row + size * self.block_kv * d
         dq = self.block_q_dq * row + self.num_stages * self.block_kv_dq * size * d
+        W, stages = self.num_compute_wgs, self.num_stages
+        dkv += tokens.smem_bytes(spec, self.block_kv, self.block_q, stages, W)  # segments
+        dq += tokens.smem_bytes(spec, self.block_q_dq, self.block_kv_dq, stages, W)
         return {"dkv": dkv + SMEM_SLACK, "dq": dq + SMEM_SLACK}
 
     def registers(self, spec: AttentionSpec) -> dict[str, int]:
@@ -305,26 +316,35 @@ def _ring_drain(consumed, slot_of, total, stages):
 
 # -- the dK/dV kernel ---------------------------------------------------------------------------
 
-def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dk_ref, dv_ref, smem,
-                barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
+def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_refs, dk_ref, dv_ref,
+                smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
     # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk],
     # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # k_smem [W, rows, Dqk], v_smem [W, rows, Dv] (this CTA's keys; then dK, dV's epilogue),
     # q_smem [stages, bq, Dqk], do_smem [stages, bq, Dv], lse_smem, delta_smem [stages, bq] f32,
     # pt_smem, dst_smem [W, rows, bq] (interpret only, else None),
-    # hash_smem [stages, bq] uint32 or None
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem = smem
-    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready = barriers
+    # hash_smem [stages, bq] uint32 or None; tok_refs None or (ranges [B, Sp / block_kv, 4],
+    # q tables [B, Tp], kv tables [B, Sp]) (segments: ids, positions under a window);
+    # kvtok_smem [W, rows] int32 per kv table, qtok_smem [stages, bq] int32 per q table
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem = smem[:9]
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready = barriers[:8]
+    n_tok = len(smem[9:]) // 2
+    kvtok_smem, qtok_smem = smem[9:9 + n_tok], smem[9 + n_tok:]
+    kvtok_ready, qtok_ready = barriers[8:8 + n_tok], barriers[8 + n_tok:]
     dropout = hash_ref is not None
-    stats_ready = (q_ready, do_ready, lse_ready, delta_ready) + ((hash_ready,) if dropout else ())
+    stats_ready = ((q_ready, do_ready, lse_ready, delta_ready) + ((hash_ready,) if dropout else ())
+                   + tuple(qtok_ready))
     W, stages, bq, G = bs.num_compute_wgs, bs.num_stages, bs.block_q, spec.group_size
     rows = bs.block_kv // W
     dtype = jnp.dtype(spec.dtype)
     kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    r = band_q_range(kv_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                     diagonal_offset=spec.diagonal_offset, block_q=bq, block_kv=bs.block_kv)
+    if tok_refs is None:
+        r = band_q_range(kv_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                         diagonal_offset=spec.diagonal_offset, block_q=bq, block_kv=bs.block_kv)
+    else:  # segments: the block map's ranges of this batch row
+        r = tokens.load_ranges(tok_refs[0], batch, kv_tile)
     count = r.hi - r.lo  # query tiles per query head; G * count steps in all
 
     def slot_of(step):
@@ -337,14 +357,21 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dk_re
         kv_rows = (batch, pl.ds(key0, rows), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[wg], k_ready.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[wg], v_ready.at[wg])
+        for ref, buf, ready in zip(tok_refs[2] if tok_refs else (), kvtok_smem, kvtok_ready):
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(key0, rows)], buf.at[wg], ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
+        kv_tokens = None
+        if tok_refs:  # the ids (and positions) of this warpgroup's keys, along the rows
+            for ready in kvtok_ready:
+                plgpu.barrier_wait(ready.at[wg])
+            kv_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in kvtok_smem] + [None]
         accumulate = _mma_from_smem if interpret else _mma_from_registers
         staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         kv_tail = spec.kv_len % bs.block_kv != 0
 
         def q_step(q_tile, carry, *, g, masked: bool):
-            masked = masked and (spec.has_window or kv_tail)
+            masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
             dk, dv = carry
             slot = slot_of(g * count + q_tile - r.lo)
             for barrier in stats_ready:
@@ -354,7 +381,10 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dk_re
                                     v_smem.at[wg], do_tile.transpose((1, 0)),
                                     (rows, bq), (rows, bq))
             st2, dcap = _logits2(st, spec)
-            if masked:  # rows are keys, columns queries
+            if masked and tok_refs:  # rows are keys, columns queries
+                q_tokens = [plgpu.load(buf.at[slot], layout=COL) for buf in qtok_smem] + [None]
+                st2 = tokens.mask(st2, q_tokens, kv_tokens, spec, q_dim=1)
+            elif masked:  # rows are keys, columns queries
                 key = _iota((rows, bq), 0) + key0
                 q_pos = _iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
                 st2 = band_mask(st2, q_pos, key, spec, kv_tail)
@@ -415,31 +445,42 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dk_re
             plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_ready.at[slot])
             if dropout:
                 plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[slot], hash_ready.at[slot])
+            for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
+                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(q_tile * bq, bq)], buf.at[slot],
+                                        ready.at[slot])
 
         _ring_drain((consumed,), slot_of, G * count, stages)
 
 
 # -- the dQ kernel ------------------------------------------------------------------------------
 
-def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dq_ref, smem, barriers,
-               *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
+def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_refs, dq_ref, smem,
+               barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
     # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk],
     # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # q_smem [W, rows, Dqk] (then dQ's epilogue), do_smem [W, rows, Dv], lse_smem,
     # delta_smem [W, rows] f32, k_smem [stages, bkv, Dqk], v_smem [stages, bkv, Dv],
-    # ds_smem [W, rows, bkv] (interpret only, else None), hash_smem [W, rows] uint32 or None
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, hash_smem = smem
+    # ds_smem [W, rows, bkv] (interpret only, else None), hash_smem [W, rows] uint32 or None;
+    # tok_refs None or (ranges [B, Tp / block_q_dq, 4], q tables [B, Tp], kv tables [B, Sp]);
+    # qtok_smem [W, rows] int32 per q table, kvtok_smem [stages, bkv] int32 per kv table
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, hash_smem = smem[:8]
     (q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready, k_consumed, v_consumed,
-     hash_ready) = barriers
+     hash_ready) = barriers[:9]
+    n_tok = len(smem[8:]) // 2
+    qtok_smem, kvtok_smem = smem[8:8 + n_tok], smem[8 + n_tok:]
+    qtok_ready, kvtok_ready = barriers[9:9 + n_tok], barriers[9 + n_tok:]
     dropout = hash_ref is not None
     W, stages, bkv = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq
     rows = bs.block_q_dq // W
     dtype = jnp.dtype(spec.dtype)
     q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                      diagonal_offset=spec.diagonal_offset, block_q=bs.block_q_dq, block_kv=bkv)
+    if tok_refs is None:
+        r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                          diagonal_offset=spec.diagonal_offset, block_q=bs.block_q_dq, block_kv=bkv)
+    else:  # segments: the block map's ranges of this batch row
+        r = tokens.load_ranges(tok_refs[0], batch, q_tile)
 
     def slot_of(step):
         return lax.rem(step - r.lo, jnp.int32(stages))
@@ -455,8 +496,11 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dq_ref
         plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
         if dropout:
             plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[wg], hash_ready.at[wg])
-        for barrier in (q_ready, do_ready, lse_ready, delta_ready):
+        for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(row0, rows)], buf.at[wg], ready.at[wg])
+        for barrier in (q_ready, do_ready, lse_ready, delta_ready) + tuple(qtok_ready):
             plgpu.barrier_wait(barrier.at[wg])
+        q_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in qtok_smem] + [None]
         lse = plgpu.load(lse_smem.at[wg], layout=ROW)
         delta = plgpu.load(delta_smem.at[wg], layout=ROW)
         if dropout:
@@ -467,17 +511,24 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dq_ref
         kv_tail = spec.kv_len % bkv != 0
 
         def kv_step(step, dq, *, masked: bool):
-            masked = masked and (spec.has_window or kv_tail)
+            masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
             slot = slot_of(step)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
+            for ready in kvtok_ready:  # every step observes its phase, masked or not
+                plgpu.barrier_wait(ready.at[slot])
+            kv_tokens = None  # read before V's release, which frees the slot's tables too
+            if masked and tok_refs:
+                kv_tokens = [plgpu.load(buf.at[slot], layout=COL) for buf in kvtok_smem] + [None]
             k_tile = k_smem.at[slot]
             s, dp = _two_products(q_smem.at[wg], k_tile.transpose((1, 0)),
                                   do_smem.at[wg], v_smem.at[slot].transpose((1, 0)),
                                   (rows, bkv), (rows, bkv))
             plgpu.barrier_arrive(v_consumed.at[slot])
             s2, dcap = _logits2(s, spec)
-            if masked:
+            if masked and tok_refs:
+                s2 = tokens.mask(s2, q_tokens, kv_tokens, spec, q_dim=0)
+            elif masked:
                 key = _iota((rows, bkv), 1) + step * bkv
                 q_pos = _iota((rows, bkv), 0) + (row0 + spec.diagonal_offset)
                 s2 = band_mask(s2, q_pos, key, spec, kv_tail)
@@ -508,7 +559,8 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, dq_ref
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
         stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
                   batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=r.lo, hi=r.hi,
-                  bkv=bkv, stages=stages, slot_of=slot_of)
+                  bkv=bkv, stages=stages, slot_of=slot_of,
+                  extra=tuple(zip(tok_refs[2], kvtok_smem, kvtok_ready)) if tok_refs else ())
 
 
 # -- the wrapper --------------------------------------------------------------------------------
@@ -542,13 +594,22 @@ def _check_arrays(q, k, v, out, lse, do, spec: AttentionSpec, sink):
 
 def _launch(kernel, inputs, out_type, smem, barriers, grid, grid_names, bs, interpret):
     """plgpu.kernel over `grid` with W compute + 1 memory warpgroup; None inputs and scratch
-    entries are passed through as None."""
+    entries are passed through as None. The segment tables come last in `inputs`, as None or
+    (ranges, q tables, kv tables), and reach the kernel in that structure."""
     n_smem = len(smem)
-    present = [x for x in inputs if x is not None]
+    *plain, tok = inputs
+    tok_flat = [] if tok is None else [tok[0], *tok[1], *tok[2]]
+    present = [x for x in plain if x is not None] + tok_flat
 
     def entry(*refs):
         it = iter(refs[:len(present)])
-        in_refs = [None if x is None else next(it) for x in inputs]
+        in_refs = [None if x is None else next(it) for x in plain]
+        if tok is not None:
+            n = len(tok[1])
+            flat = [next(it) for _ in tok_flat]
+            in_refs.append((flat[0], flat[1:1 + n], flat[1 + n:]))
+        else:
+            in_refs.append(None)
 
         def body(*scratch):
             it = iter(scratch)
@@ -572,47 +633,61 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
-def _dkv(q, k, v, do, lse2, delta, row_hash, spec, bs, interpret):
+def _dkv(q, k, v, do, lse2, delta, row_hash, tables, spec, bs, interpret):
     W, stages, bq, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_q, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_kv // W, row_hash is not None
+    n_tok, grid = tokens.per_side(spec), (k.shape[1] // bs.block_kv, spec.num_kv_heads, spec.batch)
+    tok = None
+    if tables is not None:
+        arrays = tokens.kernel_arrays(spec, tables, bq, bs.block_kv, q_len=q.shape[1],
+                                      kv_len=k.shape[1], transpose=True, num_tiles=grid[0])
+        tok = (arrays.ranges, arrays.q_side, arrays.kv_side)
     smem = [_smem((W, rows, spec.qk_dim), dtype), _smem((W, rows, spec.v_dim), dtype),
             _smem((stages, bq, spec.qk_dim), dtype), _smem((stages, bq, spec.v_dim), dtype),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
             _smem((W, rows, bq), dtype) if interpret else None,
             _smem((W, rows, bq), dtype) if interpret else None,
             plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None]
+    smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bq), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
     barriers += [plgpu.Barrier(num_barriers=stages) if dropout else None]
+    barriers += [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=stages)] * n_tok
     kernel = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret)
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
-    grid = (k.shape[1] // bs.block_kv, spec.num_kv_heads, spec.batch)
-    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash), out_type, smem, barriers, grid,
-                   ("kv", "heads", "batch"), bs, interpret)
+    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash, tok), out_type, smem, barriers,
+                   grid, ("kv", "heads", "batch"), bs, interpret)
 
 
-def _dq(q, k, v, do, lse2, delta, row_hash, spec, bs, interpret):
+def _dq(q, k, v, do, lse2, delta, row_hash, tables, spec, bs, interpret):
     W, stages, bkv, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_q_dq // W, row_hash is not None
+    n_tok, grid = tokens.per_side(spec), (q.shape[1] // bs.block_q_dq, spec.num_heads, spec.batch)
+    tok = None
+    if tables is not None:
+        arrays = tokens.kernel_arrays(spec, tables, bs.block_q_dq, bkv, q_len=q.shape[1],
+                                      kv_len=k.shape[1], num_tiles=grid[0])
+        tok = (arrays.ranges, arrays.q_side, arrays.kv_side)
     smem = [_smem((W, rows, spec.qk_dim), dtype), _smem((W, rows, spec.v_dim), dtype),
             plgpu.SMEM((W, rows), jnp.float32), plgpu.SMEM((W, rows), jnp.float32),
             _smem((stages, bkv, spec.qk_dim), dtype), _smem((stages, bkv, spec.v_dim), dtype),
             _smem((W, rows, bkv), dtype) if interpret else None,
             plgpu.SMEM((W, rows), jnp.uint32) if dropout else None]
+    smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bkv), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W) for _ in range(4)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(2)]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) for _ in range(2)]
     barriers += [plgpu.Barrier(num_barriers=W) if dropout else None]
+    barriers += [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=stages)] * n_tok
     kernel = functools.partial(_kernel_dq, spec=spec, bs=bs, interpret=interpret)
-    grid = (q.shape[1] // bs.block_q_dq, spec.num_heads, spec.batch)
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
-    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash), out_type, smem, barriers, grid,
-                   ("q", "heads", "batch"), bs, interpret)
+    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash, tok), out_type, smem, barriers,
+                   grid, ("q", "heads", "batch"), bs, interpret)
 
 
 def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_lse=None,
-                  dropout_hash=None, block_sizes: BackwardBlockSizes | None = None,
+                  dropout_hash=None, tables=None, block_sizes: BackwardBlockSizes | None = None,
                   interpret: bool | plgpu.InterpretGPUParams = False):
     """The gradients of `forward_spec(q, k, v, spec, sink=sink)` at cotangent `do`.
 
@@ -626,6 +701,8 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
       spec: the forward's spec; sink: float32 [N] for softmax="learnable", else None.
       dropout_hash: uint32 [B, N, T], the forward's `sm90.dropout_row_hash`, when
         spec.dropout_rate > 0 (else None); out is then the forward's dropped output.
+      tables: the forward's `pallas_mosaic_gpu_tokens.TokenTables` for a call with segments or
+        explicit positions, else None.
       block_sizes: `default_for(spec)` when None; T and S need not be block multiples.
       interpret: run in Mosaic GPU's interpreter on CPU (see the module doc); an
         `plgpu.InterpretGPUParams` runs it with those settings (e.g. detect_races=True).
@@ -638,6 +715,7 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     check(spec, bs)
     _check_arrays(q, k, v, out, lse, do, spec, sink)
     check_dropout_hash(spec, dropout_hash)
+    check_tables(spec, tables)
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     if d_lse is not None:
         if d_lse.shape != lse.shape:
@@ -659,7 +737,7 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     delta = _pad_to(delta, 2, int(q_mult))
     if dropout_hash is not None:  # padded rows have dO = 0: their hash does not matter
         dropout_hash = _pad_to(dropout_hash, 2, int(q_mult))
-    dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, spec, bs, interpret)
-    dq = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, spec, bs, interpret)
+    dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, tables, spec, bs, interpret)
+    dq = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, tables, spec, bs, interpret)
     S, T = spec.kv_len, spec.q_len
     return dq[:, :T], dk[:, :S], dv[:, :S], dsink

@@ -1,0 +1,219 @@
+"""The Mosaic GPU kernels with packed segments, padding and explicit positions, through the
+registered backend's custom VJP (`pallas_mosaic_gpu.attention_with`), against the float32
+reference: output, lse and dq, dk, dv (and dsink).
+
+On CPU the kernels run in Mosaic GPU's interpreter (tiny shapes); the `gpu`-marked copies run
+compiled on a Hopper GPU, plus 16 packed documents at the default tiles. Without a GPU the
+compiled path is lowered for cuda (Mosaic's shared-memory count is checked against ours).
+
+Cases: packed documents whose boundaries fall inside tiles, a trailing padding run, a window
+(so positions are read) with GQA, tails (T not a tile multiple) and the learnable sink; padding
+(one segment per row) for cross attention T != S without a window (ids only) with dropout.
+Padding tokens hold NaN in q, k, v: they must not reach any output.
+
+Tolerance: relative L2 error <= 1e-2 (bf16) per output and gradient, as the band-mask tests;
+a wrong segment mask or tile range gives O(1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashmesh
+from flashmesh.attention import pallas_mosaic_gpu as pmg
+from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
+from flashmesh.attention.api import normalize
+from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
+from flashmesh.attention.spec import EMPTY_ROW_LSE
+from mosaic_testing import interpreter, rel_l2  # noqa: F401  (interpreter: a fixture)
+
+FWD = BlockSizes(block_q=128, block_kv=64, num_stages=2, num_compute_wgs=2)
+BWD = bwd.BackwardBlockSizes(block_q=64, block_kv=128, block_q_dq=128, block_kv_dq=64, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    q_ids: tuple  # per batch row: (segment id, length) runs; id 0 is padding
+    kv_ids: tuple | None = None  # None: the same as q_ids (self attention)
+    N: int = 2
+    K: int = 1
+    D: int = 64
+    mask: str = "causal"
+    window: tuple[int, int] | None = None
+    softmax: str = "vanilla"
+    dropout_rate: float = 0.0
+    seqlens: bool = False  # the descriptor from lengths (padding at the end) instead of ids
+    blocks: tuple | None = (FWD, BWD)  # None: the backend's defaults
+
+
+def ids_of(runs) -> np.ndarray:
+    return np.array([np.concatenate([np.full(n, i, np.int32) for i, n in row]) for row in runs])
+
+
+CASES = [
+    # Row 0: three documents (boundaries at 70 and 150, inside tiles) then 10 padding tokens;
+    # row 1: two documents. A window of 50 on top of causal reads positions.
+    Case("packed_window_gqa_tails_learnable",
+         q_ids=(((1, 70), (2, 80), (3, 40), (0, 10)), ((1, 130), (2, 70))),
+         window=(50, 0), softmax="learnable"),
+    # Cross attention with padding: 100 / 130 valid queries of 130, 190 / 60 valid keys of 190.
+    Case("padding_cross_no_window_dropout", mask="none", dropout_rate=0.2, seqlens=True,
+         q_ids=(((1, 100), (0, 30)), ((1, 130),)), kv_ids=(((1, 190),), ((1, 60), (0, 130)))),
+]
+GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
+    Case("gpu_16_documents_causal_d128", N=8, K=2, D=128, blocks=None,
+         q_ids=(tuple((i + 1, n) for i, n in enumerate(
+             [97, 400, 31, 256, 512, 129, 64, 300, 199, 255, 257, 130, 70, 600, 300, 306])),)),
+]
+
+
+def make(case: Case, seed: int = 0):
+    q_ids = ids_of(case.q_ids)
+    kv_ids = q_ids if case.kv_ids is None else ids_of(case.kv_ids)
+    (B, T), S = q_ids.shape, kv_ids.shape[1]
+    ks = jax.random.split(jax.random.key(seed), 5)
+    shapes = [(B, T, case.N, case.D), (B, S, case.K, case.D), (B, S, case.K, case.D),
+              (B, T, case.N, case.D)]
+    q, k, v, g = (jax.random.normal(key, shape, jnp.float32) for key, shape in zip(ks, shapes))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    # whatever padding holds never reaches a valid output (nor the padding's own, 0)
+    q = jnp.where((q_ids == 0)[:, :, None, None], jnp.nan, q).astype(jnp.bfloat16)
+    k = jnp.where((kv_ids == 0)[:, :, None, None], jnp.nan, k).astype(jnp.bfloat16)
+    v = jnp.where((kv_ids == 0)[:, :, None, None], jnp.inf, v).astype(jnp.bfloat16)
+    if case.seqlens:
+        lengths = (jnp.asarray((q_ids != 0).sum(1), jnp.int32), jnp.asarray((kv_ids != 0).sum(1), jnp.int32))
+        segments = flashmesh.SequenceDescriptor.from_seqlens(lengths)
+    else:
+        ids = jnp.asarray(q_ids) if case.kv_ids is None else (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+        segments = flashmesh.SequenceDescriptor.from_segment_ids_and_pos(ids)
+    sink = (jax.random.uniform(ks[4], (case.N,), jnp.float32, -1.5, 1.5)
+            if case.softmax == "learnable" else None)
+    options = dict(mask=case.mask, window=case.window, segments=segments, softmax=case.softmax,
+                   sink=sink, dropout_rate=case.dropout_rate,
+                   dropout_rng=jax.random.key(5) if case.dropout_rate else None)
+    return (q, k, v, g, sink), options, q_ids, kv_ids
+
+
+def check_case(case: Case, *, interpret: bool):
+    (q, k, v, g, sink), options, q_ids, kv_ids = make(case)
+
+    def kernel(q, k, v, sink):
+        inputs, spec = normalize(q, k, v, return_lse=True, **dict(options, sink=sink))
+        if case.blocks is None:
+            return pmg.attention(inputs, spec)
+        return pmg.attention_with(inputs, spec, *case.blocks, interpret=interpret)
+
+    def reference(q, k, v, sink):
+        return flashmesh.attention(q, k, v, return_lse=True, implementation="reference",
+                                   **dict(options, sink=sink))
+
+    def loss(f, q, k, v, sink):
+        out, lse = f(q, k, v, sink)
+        return jnp.sum(out.astype(jnp.float32) * g), (out, lse)
+
+    argnums = (0, 1, 2, 3) if sink is not None else (0, 1, 2)
+    (grads, (out, lse)) = jax.jit(jax.grad(lambda *a: loss(kernel, *a), argnums, has_aux=True))(
+        q, k, v, sink)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (want, (ref_out, ref_lse)) = jax.grad(lambda *a: loss(reference, *a), argnums,
+                                          has_aux=True)(*f32, sink)
+    valid_q, valid_kv = q_ids != 0, kv_ids != 0
+    rel_l2(f"{case.name} out", out, ref_out, 1e-2)
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    np.testing.assert_allclose(lse.transpose(0, 2, 1)[valid_q], ref_lse.transpose(0, 2, 1)[valid_q],
+                               rtol=0, atol=1e-3)
+    for name, got, expected in zip(("dq", "dk", "dv", "dsink"), grads, want):
+        rel_l2(f"{case.name} {name}", got, expected, 1e-2)
+    # padding: output 0 and zero gradient (NaN inputs included), lse of an empty row
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[~valid_q], 0.0)
+    np.testing.assert_array_equal(np.asarray(grads[0], np.float32)[~valid_q], 0.0)
+    for dx in grads[1:3]:
+        np.testing.assert_array_equal(np.asarray(dx, np.float32)[~valid_kv], 0.0)
+    if case.softmax == "vanilla":
+        np.testing.assert_array_equal(lse.transpose(0, 2, 1)[~valid_q], np.float32(EMPTY_ROW_LSE))
+    # the cases mean what they say: padding present, and tiles outside a document are skipped
+    assert (~valid_q).any() or case.name.startswith("gpu")
+    inputs, spec = normalize(q, k, v, **options)
+    assert spec.segments == ("padding" if case.seqlens else "packed"), spec.segments
+    if case.blocks is not None:
+        nq, nk = -(-spec.q_len // FWD.block_q), -(-spec.kv_len // FWD.block_kv)
+        ranges = tokens.kernel_arrays(spec, tokens.from_inputs(spec, inputs), FWD.block_q,
+                                      FWD.block_kv, q_len=nq * FWD.block_q,
+                                      kv_len=nk * FWD.block_kv).ranges
+        assert (np.asarray(ranges[..., 3] - ranges[..., 0]) < nk).any(), np.asarray(ranges)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_segments_interpret(case, interpreter):
+    check_case(case, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=lambda c: c.name)
+def test_segments_gpu(case):
+    check_case(case, interpret=False)
+
+
+@pytest.mark.parametrize("window, blocks", [
+    ((-1, 0), BlockSizes()), ((-1, -1), BlockSizes(num_stages=2, block_kv=64)),
+    ((100, 0), BlockSizes(block_kv=64, intra_wg_overlap=True)),
+])
+def test_gpu_path_lowers_with_tables(window, blocks, monkeypatch):
+    """Forward and backward with segment tables lower for cuda without a GPU; the forward's
+    shared memory is exactly sm90.smem_bytes, the backward's within its estimate."""
+    import jax.experimental.mosaic.gpu.core as mosaic_core
+
+    counted, tree_size = [], mosaic_core._smem_tree_size
+
+    def count(tree):
+        counted.append(tree_size(tree))
+        return counted[-1]
+
+    monkeypatch.setattr(mosaic_core, "_smem_tree_size", count)
+    B, T, N, K, D = 2, 1000, 4, 2, 128
+    mask = "causal" if window[1] == 0 else "none"
+    ids = jnp.zeros((B, T), jnp.int32)
+    q = jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, K, D), jnp.bfloat16)
+    inputs, spec = normalize(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
+                             jnp.zeros(kv.shape, kv.dtype), mask=mask,
+                             window=None if window[0] < 0 else window,
+                             segments=flashmesh.SequenceDescriptor.from_segment_ids_and_pos(ids + 1))
+    assert tokens.per_side(spec) == (2 if spec.has_window else 1)
+    table = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    lse = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
+
+    def both(q, k, v, do, lse, a, b, c, d):
+        t = tokens.TokenTables(a, b, c, d)
+        out, _ = sm90.forward_spec(q, k, v, spec, tables=t, block_sizes=blocks)
+        return out, bwd.backward_spec(q, k, v, do, lse, do, spec, tables=t)
+
+    jax.jit(both).trace(q, kv, kv, q, lse, *[table] * 4).lower(lowering_platforms=("cuda",))
+    estimate = bwd.default_for(spec).smem_bytes(spec)
+    assert len(counted) == 3, counted
+    assert counted[0] == sm90.smem_bytes(spec, blocks), (counted, sm90.smem_bytes(spec, blocks))
+    assert counted[1] <= estimate["dkv"] and counted[2] <= estimate["dq"], (counted, estimate)
+
+
+def test_static_reason_accepts_segments_and_tables_are_checked():
+    q = jnp.zeros((2, 128, 2, 64), jnp.bfloat16)
+    ids = jnp.ones((2, 128), jnp.int32)
+    segments = flashmesh.SequenceDescriptor.from_segment_ids_and_pos(ids)
+    inputs, spec = normalize(q, q, q, mask="causal", segments=segments)
+    assert pmg.static_reason(spec) is None
+    with pytest.raises(ValueError, match="needs tables"):
+        sm90.forward_spec(q, q, q, spec, interpret=True)
+    t = tokens.from_inputs(spec, inputs)
+    with pytest.raises(ValueError, match=r"tables.kv_segment_ids must be int32 \(2, 128\)"):
+        sm90.forward_spec(q, q, q, spec, tables=t._replace(kv_segment_ids=ids[:1]), interpret=True)
+    _, band = normalize(q, q, q, mask="causal")
+    with pytest.raises(ValueError, match="tables must be None"):
+        sm90.forward_spec(q, q, q, band, tables=t, interpret=True)
