@@ -245,8 +245,11 @@ def test_refuses_features_and_bad_sinks():
         f32 = kv.astype(jnp.float32)
         sm90.forward(q[:, :128].astype(jnp.float32), f32, f32, scale=0.125, interpret=True)
     spec = dataclasses.replace(sm90.spec_for(q[:, :128], kv, kv, scale=0.125), bias_shape=(1, 1, 128, 128))
-    with pytest.raises(NotImplementedError, match="bias"):
-        sm90.check(spec, BlockSizes())
+    with pytest.raises(ValueError, match=r"bias must be a float array of shape \(1, 1, 128, 128\), got None"):
+        sm90.forward_spec(q[:, :128], kv, kv, spec, interpret=True)
+    with pytest.raises(ValueError, match="bias must be None for a spec without bias_shape"):
+        sm90.forward_spec(q[:, :128], kv, kv, dataclasses.replace(spec, bias_shape=None),
+                          bias=jnp.zeros((1, 1, 128, 128)), interpret=True)
     with pytest.raises(ValueError, match="num_heads=2 must be a multiple of num_kv_heads=3"):
         sm90.forward(q, jnp.zeros((1, 128, 3, 64), jnp.bfloat16),
                      jnp.zeros((1, 128, 3, 64), jnp.bfloat16), scale=0.125)

@@ -247,8 +247,8 @@ def test_block_sizes_and_refusals():
     x = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 128), jnp.float32)
     bad = dataclasses.replace(spec, bias_shape=(1, 1, 128, 128))
-    with pytest.raises(NotImplementedError, match="bias not implemented"):
-        bwd.backward_spec(x, x, x, x, lse, x, bad, interpret=True)
+    with pytest.raises(ValueError, match=r"bias must be a float array of shape \(1, 1, 128, 128\)"):
+        bwd.backward_spec(x, x, x, x, lse, x, bad, bias=jnp.zeros((1, 2, 128, 128)), interpret=True)
     with pytest.raises(ValueError, match="segments='padding' needs tables"):
         bwd.backward_spec(x, x, x, x, lse, x, dataclasses.replace(spec, segments="padding"),
                           interpret=True)

@@ -14,8 +14,9 @@ MQA, Dqk != Dv, any T and S, logits soft cap, off-by-one and learnable sinks, dr
 elements masks.dropout_keep drops, global query and head numbers included), bf16 / f16 on a
 compute-capability 9.0 GPU (H100 / H200), packed segments, padding and explicit positions
 (per-token tables and per-batch tile ranges from the block map, `pallas_mosaic_gpu_tokens`;
-padding tokens are zeroed first, so whatever they hold never reaches an output). Not yet (the
-reason is returned): bias, head dims that are not multiples of 64 or above 192; at call time,
+padding tokens are zeroed first, so whatever they hold never reaches an output), a post-scale
+bias [B|1, N|1, T, S] read in q's dtype with its gradient (dS per visited tile from the dQ
+kernel, summed over broadcast dims). Not yet (the reason is returned): head dims that are not multiples of 64 or above 192; at call time,
 dropout with global key numbers (kv_index, a context-parallel ring's key shards).
 
 Dropout: `sm90.dropout_row_hash` turns the seed (and q_index, head_index) into per-row
@@ -57,8 +58,6 @@ def _device_reason() -> str | None:
 
 def static_reason(spec: AttentionSpec) -> str | None:
     """Why the kernels cannot run this call whatever the device, or None."""
-    if spec.has_bias:
-        return "bias not implemented in the Mosaic GPU kernels yet"
     if spec.dtype not in DTYPES:
         return f"dtype {spec.dtype}: the kernels take {' or '.join(DTYPES)} (WGMMA operands)"
     for name, dim in (("Dqk", spec.qk_dim), ("Dv", spec.v_dim)):
@@ -116,38 +115,39 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel(setup, q, k, v, sink, dropout_hash, tables):
+def _kernel(setup, q, k, v, sink, bias, dropout_hash, tables):
     """setup: (spec, forward BlockSizes, BackwardBlockSizes, interpret), static; dropout_hash
     and tables (segments) are integers, never differentiated."""
     from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 
     spec, fwd_blocks, _, interpret = setup
     return sm90.forward_spec(q, k, v, spec, sink=sink, dropout_hash=dropout_hash, tables=tables,
-                             block_sizes=fwd_blocks, interpret=interpret)
+                             bias=bias, block_sizes=fwd_blocks, interpret=interpret)
 
 
-def _kernel_fwd(setup, q, k, v, sink, dropout_hash, tables):
-    q, k, v, sink, dropout_hash, tables = custom_vjp_primal_tree_values(
-        (q, k, v, sink, dropout_hash, tables))
-    out, lse = _kernel(setup, q, k, v, sink, dropout_hash, tables)
-    return (out, lse), (q, k, v, sink, dropout_hash, tables, out, lse)
+def _kernel_fwd(setup, q, k, v, sink, bias, dropout_hash, tables):
+    q, k, v, sink, bias, dropout_hash, tables = custom_vjp_primal_tree_values(
+        (q, k, v, sink, bias, dropout_hash, tables))
+    out, lse = _kernel(setup, q, k, v, sink, bias, dropout_hash, tables)
+    return (out, lse), (q, k, v, sink, bias, dropout_hash, tables, out, lse)
 
 
 def _kernel_bwd(setup, res, cts):
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 
     spec, _, bwd_blocks, interpret = setup
-    q, k, v, sink, dropout_hash, tables, out, lse = res
+    q, k, v, sink, bias, dropout_hash, tables, out, lse = res
     d_out, d_lse = cts
     if isinstance(d_out, SymbolicZero) and isinstance(d_lse, SymbolicZero):
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     d_out = jnp.zeros_like(out) if isinstance(d_out, SymbolicZero) else d_out
     d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
-    dq, dk, dv, dsink = bwd.backward_spec(q, k, v, out, lse, d_out.astype(q.dtype), spec, sink=sink,
-                                          d_lse=d_lse, dropout_hash=dropout_hash, tables=tables,
-                                          block_sizes=bwd_blocks, interpret=interpret)
+    dq, dk, dv, dsink, dbias = bwd.backward_spec(
+        q, k, v, out, lse, d_out.astype(q.dtype), spec, sink=sink, d_lse=d_lse,
+        dropout_hash=dropout_hash, tables=tables, bias=bias, block_sizes=bwd_blocks,
+        interpret=interpret)
     dsink = None if dsink is None else dsink.astype(sink.dtype)
-    return dq, dk, dv, dsink, None, None  # row hashes and tables are integers: no cotangent
+    return dq, dk, dv, dsink, dbias, None, None  # row hashes and tables: integers, no cotangent
 
 
 _kernel.defvjp(_kernel_fwd, _kernel_bwd, symbolic_zeros=True)
@@ -174,4 +174,4 @@ def attention_with(inputs: AttentionInputs, spec: AttentionSpec, fwd_blocks, bwd
     sink = inputs.sink if spec.softmax == "learnable" else None
     dropout_hash = sm90.inputs_dropout_hash(inputs, spec)  # NotImplementedError for kv_index
     return _kernel((spec, fwd_blocks, bwd_blocks, interpret), inputs.q, inputs.k, inputs.v, sink,
-                   dropout_hash, tokens.from_inputs(spec, inputs))
+                   inputs.bias, dropout_hash, tokens.from_inputs(spec, inputs))

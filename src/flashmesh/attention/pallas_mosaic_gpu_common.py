@@ -349,10 +349,8 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 
 def check_spec(spec: AttentionSpec, kernel: str, max_dim: int | None = None) -> None:
     """The checks every Mosaic GPU attention kernel makes of a call: NotImplementedError for
-    what none of them runs (bias, other dtypes, head dims off the 128-byte swizzle or above
+    what none of them runs (other dtypes, head dims off the 128-byte swizzle or above
     max_dim), ValueError for values out of range. `kernel` names the caller."""
-    if spec.has_bias:
-        raise NotImplementedError(f"pallas_mosaic_gpu_sm90 {kernel}: bias not implemented yet")
     if not 0.0 <= spec.dropout_rate < 1.0:
         raise ValueError(f"dropout_rate={spec.dropout_rate!r} must be in [0, 1)")
     if spec.softmax not in SOFTMAX_TYPES:
@@ -360,13 +358,15 @@ def check_spec(spec: AttentionSpec, kernel: str, max_dim: int | None = None) -> 
     if spec.logits_soft_cap is not None and not spec.logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap={spec.logits_soft_cap!r} must be positive or None")
     if spec.dtype not in KERNEL_DTYPES:
-        raise NotImplementedError(f"dtype={spec.dtype}: the kernels take {KERNEL_DTYPES}")
+        raise NotImplementedError(f"pallas_mosaic_gpu_sm90 {kernel}: dtype={spec.dtype}: the "
+                                  f"kernels take {KERNEL_DTYPES}")
     step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
     for name, dim in (("qk_dim", spec.qk_dim), ("v_dim", spec.v_dim)):
         if dim % step or (max_dim is not None and dim > max_dim):
             bound = "" if max_dim is None else f" of at most {max_dim}"
-            raise NotImplementedError(f"{name}={dim}: must be a multiple of {step}{bound} for "
-                                      f"{spec.dtype} (128-byte swizzle; narrower swizzles not yet)")
+            raise NotImplementedError(f"pallas_mosaic_gpu_sm90 {kernel}: {name}={dim}: must be a "
+                                      f"multiple of {step}{bound} for {spec.dtype} (128-byte "
+                                      "swizzle; narrower swizzles not yet)")
 
 
 # -- the tuned table --------------------------------------------------------------------------

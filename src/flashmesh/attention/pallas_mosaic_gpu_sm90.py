@@ -67,12 +67,17 @@ positions) with V into the same ring slot, released with V. Masked tiles compare
 positions element-wise (`tokens.mask`); FULL tiles (one segment, all visible) skip it.
 Padded tokens (past T, S) are segment 0, so the tables need no separate tail mask.
 
+Bias ([B|1, N|1, T, S], read in q's dtype, zero-padded to the tiles): the memory warpgroup
+sends each key tile's bias rows with V, one TMA per compute warpgroup into [stages, W, rows,
+block_kv] (the ready barrier takes W arrivals); the logit is scale q.k + bias, before the soft
+cap (reference.py), so the scale is not folded into exp2 then.
+
 Implemented: causal and (left, right) windows in both alignments (top-left, bottom-right),
 any scale, GQA/MQA, Dqk != Dv, bf16/f16 inputs with float32 accumulation, lse [B, N, T] in
 the natural-log convention of reference.py, sequence tails (wrapper padding), the logit soft
 cap, the off-by-one and learnable sink softmax, dropout, packed segments and explicit
-positions. Not implemented (NotImplementedError): head dims that are not multiples of 64 (the
-128-byte swizzle), bias, dropout with global key numbers (kv_index). The backward pass is in
+positions, a post-scale bias. Not implemented (NotImplementedError): head dims that are not
+multiples of 64 (the 128-byte swizzle), dropout with global key numbers (kv_index). The backward pass is in
 pallas_mosaic_gpu_sm90_bwd. Not yet done for speed: OOB-filled TMA loads instead of padded input
 copies (the padding only runs for tails), per-warpgroup ranges, a persistent grid, named
 barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale.
@@ -164,9 +169,13 @@ def dropout_keep(row_hash, key0, shape, key_dim: int, threshold: int):
 
 def smem_bytes(spec: AttentionSpec, bs: BlockSizes) -> int:
     """The forward's shared memory as Mosaic GPU counts it: `BlockSizes.smem_bytes` plus, with
-    dropout, the warpgroups' uint32 row hashes and their W barriers, and with segments or
-    positions the token tables (`pallas_mosaic_gpu_tokens.smem_bytes`)."""
+    dropout, the warpgroups' uint32 row hashes and their W barriers, with a bias its ring of
+    tiles, and with segments or positions the token tables (`pallas_mosaic_gpu_tokens.
+    smem_bytes`)."""
     extra = tokens.smem_bytes(spec, bs.block_q, bs.block_kv, bs.num_stages, bs.num_compute_wgs)
+    if spec.has_bias:  # the ring of bias tiles [stages, block_q, block_kv] and its barriers
+        size = bs.num_stages * bs.block_q * bs.block_kv * jnp.dtype(spec.dtype).itemsize
+        extra += -(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT + 8 * bs.num_stages
     if spec.has_dropout:
         extra += -(-bs.block_q * 4 // SMEM_ALIGNMENT) * SMEM_ALIGNMENT + 8 * bs.num_compute_wgs
     return bs.smem_bytes(spec) + extra
@@ -253,23 +262,26 @@ def _pair_in_turn(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_
     return acc, on_s(s)
 
 
-def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, tok_refs, out_ref, lse_ref, smem, barriers,
-            *, spec: AttentionSpec, bs: BlockSizes, interpret: bool):
+def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref, lse_ref, smem,
+            barriers, *, spec: AttentionSpec, bs: BlockSizes, interpret: bool):
     # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv] (GMEM, padded to the
     # block multiples Tp, Sp); sink_ref [N, rows] f32 (the sink logit times log2 e) or None;
-    # hash_ref [B, N, Tp] uint32 (dropout_row_hash) or None; tok_refs None or (ranges
+    # hash_ref [B, N, Tp] uint32 (dropout_row_hash) or None; bias_ref [B|1, N|1, Tp, Sp] in
+    # the input dtype or None; tok_refs None or (ranges
     # [B, Tp / block_q, 4], q tables ([B, Tp] ids, positions under a window), kv tables [B, Sp])
     # out_ref [B, Tp, N, Dv], lse_ref [B, N, Tp] float32 (GMEM)
     # q_smem [W, rows, Dqk], k_smem [stages, block_kv, Dqk], v_smem [stages, block_kv, Dv],
     # o_smem [W, rows, Dv] or None (O staged in q_smem), lse_smem [W, rows] f32,
     # p_smem [W, rows, block_kv] or None, sink_smem [W, rows] f32 or None,
-    # hash_smem [W, rows] uint32 or None; qtok_smem: [W, rows] int32 per q table,
-    # kvtok_smem: [stages, block_kv] int32 per kv table (empty without tables)
-    q_smem, k_smem, v_smem, o_smem, lse_smem, p_smem, sink_smem, hash_smem = smem[:8]
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, sink_ready, hash_ready = barriers[:7]
-    n_tok = len(smem[8:]) // 2
-    qtok_smem, kvtok_smem = smem[8:8 + n_tok], smem[8 + n_tok:]
-    qtok_ready, kvtok_ready = barriers[7:7 + n_tok], barriers[7 + n_tok:]
+    # hash_smem [W, rows] uint32 or None; bias_smem [stages, W, rows, block_kv] or None;
+    # qtok_smem: [W, rows] int32 per q table, kvtok_smem: [stages, block_kv] int32 per kv
+    # table (empty without tables)
+    q_smem, k_smem, v_smem, o_smem, lse_smem, p_smem, sink_smem, hash_smem, bias_smem = smem[:9]
+    (q_ready, k_ready, v_ready, k_consumed, v_consumed, sink_ready, hash_ready,
+     bias_ready) = barriers[:8]
+    n_tok = len(smem[9:]) // 2
+    qtok_smem, kvtok_smem = smem[9:9 + n_tok], smem[9 + n_tok:]
+    qtok_ready, kvtok_ready = barriers[8:8 + n_tok], barriers[8 + n_tok:]
     W, rows, stages, bkv = bs.num_compute_wgs, bs.rows_per_wg, bs.num_stages, bs.block_kv
     o_in_q = o_smem is None
     o_smem = q_smem if o_in_q else o_smem
@@ -311,7 +323,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, tok_refs, out_ref, lse_ref,
         scale2 = spec.scale * LOG2E  # logits in log2 units: exp(x) = exp2(x log2 e)
         cap = spec.logits_soft_cap
         # Fold scale2 into exp2's argument, exp2(s scale2 - m): one FMA per logit (FA3).
-        fold = cap is None and spec.scale > 0
+        fold = cap is None and spec.scale > 0 and bias_ref is None
         kv_tail = spec.kv_len % bkv != 0  # the last key tile holds padded columns past S
         has_sink = spec.softmax != "vanilla"
         threshold = dropout_threshold(spec.dropout_rate)
@@ -358,10 +370,19 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, tok_refs, out_ref, lse_ref,
             slot = slot_of(step)
             for ready in kvtok_ready:  # every step observes its phase, masked or not
                 plgpu.barrier_wait(ready.at[slot])
+            bias = None
+            if bias_ref is not None:  # this warpgroup's rows of the key tile's bias
+                plgpu.barrier_wait(bias_ready.at[slot])
+                bias = bias_smem.at[slot, wg][...].astype(jnp.float32)
             if cap is not None:  # cap tanh(scale s / cap) in log2 units, tanh x = 1 - 2 /
                 # (exp(2x) + 1): exact at both ends, finer than approx_math's tanh.approx.
-                e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
+                if bias is None:
+                    e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
+                else:  # the bias joins the scaled logit before the cap (reference.py)
+                    e = jnp.exp2((s * spec.scale + bias) * (2.0 * LOG2E / cap))
                 s = (1.0 - 2.0 / (e + 1.0)) * (cap * LOG2E)
+            elif bias is not None:
+                s = s * scale2 + bias * LOG2E
             elif not fold:
                 s = s * scale2
             if masked and tok_refs:  # ids (and positions) of this key tile, from the ring
@@ -509,10 +530,40 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, tok_refs, out_ref, lse_ref,
     @pl.when(wg == W)
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
+        extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
+        if bias_ref is not None:
+            extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head, q_tile * bs.block_q,
+                                rows, W, bkv),)
         stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
                   batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=lo, hi=hi,
-                  bkv=bkv, stages=stages, slot_of=slot_of,
-                  extra=tuple(zip(tok_refs[2], kvtok_smem, kvtok_ready)) if tok_refs else ())
+                  bkv=bkv, stages=stages, slot_of=slot_of, extra=extra)
+
+
+def table_copies(tok_refs, smems, ready, batch, block: int) -> tuple:
+    """`stream_kv` extras for the streamed side's token tables (segments): tile `step` of each
+    table [B, L] into its ring slot."""
+    def copy(ref, smem, arrived):
+        def issue(step, slot):
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(step * block, block)], smem.at[slot],
+                                    arrived.at[slot])
+        return issue
+
+    return tuple(copy(*x) for x in zip(tok_refs[2], smems, ready)) if tok_refs else ()
+
+
+def bias_copy(bias_ref, smem, ready, batch, head, row0, rows: int, num_wgs: int, block: int):
+    """A `stream_kv` extra: the bias of query rows row0 .. row0 + num_wgs * rows and key tile
+    `step`, one TMA per compute warpgroup into smem [stages, W, rows, block] (the ready barrier
+    expects W arrivals). bias_ref [B|1, N|1, Tp, Sp]: a broadcast dim reads index 0."""
+    b = batch if bias_ref.shape[0] > 1 else 0
+    n = head if bias_ref.shape[1] > 1 else 0
+
+    def issue(step, slot):
+        for w in range(num_wgs):
+            plgpu.copy_gmem_to_smem(
+                bias_ref.at[b, n, pl.ds(row0 + w * rows, rows), pl.ds(step * block, block)],
+                smem.at[slot, w], ready.at[slot])
+    return issue
 
 
 def band_mask(s, q_pos, key, spec: AttentionSpec, kv_tail: bool):
@@ -534,9 +585,9 @@ def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int,
               extra=()):
     """The memory warpgroup's K/V ring (forward and dQ kernels): for key tiles lo .. hi - 1,
     wait until the slot's last reader released it (from the `stages`-th tile on), then TMA K
-    and V into it, each with its own ready barrier (so P·V waits only for V). `extra`: (ref
-    [B, Sp], SMEM [stages, bkv], ready barrier) triples (the key tables of segments), copied
-    after V into the same slot and released with it. Then observe the
+    and V into it, each with its own ready barrier (so P·V waits only for V). `extra`:
+    callables issue(step, slot) that copy more of the key tile's data (segment tables, bias)
+    after V into the same slot, released with V. Then observe the
     release of the last (up to `stages`) slots too, so every phase of the consumed barriers is
     waited for exactly once (the interpreter checks this at deallocation; on hardware it keeps
     the phases in step). refs, smems, ready, consumed: (K, V) pairs; slot_of(step) -> slot."""
@@ -550,9 +601,8 @@ def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int,
                 plgpu.barrier_wait(released.at[slot])
 
             plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], arrived.at[slot])
-        for ref, smem, arrived in extra:
-            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(step * bkv, bkv)], smem.at[slot],
-                                    arrived.at[slot])
+        for issue in extra:
+            issue(step, slot)
 
     @pl.loop(jnp.maximum(hi - stages, lo), hi)
     def _(step):
@@ -605,6 +655,17 @@ def check_dropout_hash(spec: AttentionSpec, dropout_hash) -> None:
                          f"(dropout_row_hash), got {got}")
 
 
+def check_bias(spec: AttentionSpec, bias) -> None:
+    """ValueError unless `bias` is a float array of spec.bias_shape exactly when it has one."""
+    if spec.bias_shape is None:
+        if bias is not None:
+            raise ValueError("bias must be None for a spec without bias_shape")
+        return
+    if bias is None or bias.shape != spec.bias_shape or not jnp.issubdtype(bias.dtype, jnp.floating):
+        got = None if bias is None else (bias.dtype, bias.shape)
+        raise ValueError(f"bias must be a float array of shape {spec.bias_shape}, got {got}")
+
+
 def check_tables(spec: AttentionSpec, tables) -> None:
     """ValueError unless `tables` is a TokenTables of the call's shapes exactly when its mask
     reads per-token data (segments or explicit positions)."""
@@ -641,15 +702,17 @@ def _pad_to(x, axis: int, multiple: int):
 
 
 def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, tables=None,
-                 block_sizes: BlockSizes | None = None, interpret: bool = False):
+                 bias=None, block_sizes: BlockSizes | None = None, interpret: bool = False):
     """`forward` for a normalised spec (what the registry calls). dropout_hash: uint32
     [B, N, T] from `dropout_row_hash` when spec.dropout_rate > 0, else None. tables: the
     call's `pallas_mosaic_gpu_tokens.TokenTables` when it has segments or explicit positions
-    (`tokens.from_inputs`), else None."""
+    (`tokens.from_inputs`), else None. bias: [B|1, N|1, T, S] (spec.bias_shape), added to the
+    scaled logits; the kernel reads it in q's dtype."""
     bs = BlockSizes() if block_sizes is None else block_sizes
     check(spec, bs)
     check_dropout_hash(spec, dropout_hash)
     check_tables(spec, tables)
+    check_bias(spec, bias)
     sink_rows = _sink_rows(spec, sink, bs.rows_per_wg)
     if dropout_hash is not None:
         dropout_hash = _pad_to(dropout_hash, 2, bs.block_q)  # padded rows are dropped anyway
@@ -657,6 +720,8 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
     # then slice the outputs back to T.
     q = _pad_to(q, 1, bs.block_q)
     k, v = _pad_to(k, 1, bs.block_kv), _pad_to(v, 1, bs.block_kv)
+    if bias is not None:  # padded rows and columns are dropped or masked: zeros
+        bias = _pad_to(_pad_to(bias.astype(q.dtype), 2, bs.block_q), 3, bs.block_kv)
     Tp = q.shape[1]
     W = bs.num_compute_wgs
     dtype = jnp.dtype(spec.dtype)
@@ -672,6 +737,7 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
         _smem((W, bs.rows_per_wg, bs.block_kv), dtype) if interpret else None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.float32) if sink_rows is not None else None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.uint32) if dropout_hash is not None else None,
+        _smem((bs.num_stages, W, bs.rows_per_wg, bs.block_kv), dtype) if bias is not None else None,
     ] + [plgpu.SMEM((W, bs.rows_per_wg), jnp.int32)] * n_tok + [
         plgpu.SMEM((bs.num_stages, bs.block_kv), jnp.int32)] * n_tok
     barriers = [
@@ -682,14 +748,15 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
         plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages),
         plgpu.Barrier(num_barriers=W) if sink_rows is not None else None,
         plgpu.Barrier(num_barriers=W) if dropout_hash is not None else None,
+        plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages) if bias is not None else None,
     ] + [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=bs.num_stages)] * n_tok
     n_smem = len(smem)
-    optional = (sink_rows, dropout_hash)
+    optional = (sink_rows, dropout_hash, bias)
     tok_inputs = () if tok is None else (tok.ranges,) + tok.q_side + tok.kv_side
 
     def entry(q_ref, k_ref, v_ref, *refs):
         it = iter(refs[:-2])  # the optional inputs that are present, then out and lse
-        sink_ref, hash_ref = (None if x is None else next(it) for x in optional)
+        sink_ref, hash_ref, bias_ref = (None if x is None else next(it) for x in optional)
         tok_refs = None
         if tok is not None:
             ranges_ref, *tables_refs = (next(it) for _ in tok_inputs)
@@ -699,7 +766,7 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
         def body(*scratch):
             it = iter(scratch)  # the None entries take no scratch
             allocated = [None if a is None else next(it) for a in smem + barriers]
-            _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, tok_refs, out_ref, lse_ref,
+            _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref, lse_ref,
                     allocated[:n_smem], allocated[n_smem:], spec=spec, bs=bs, interpret=interpret)
 
         pl.run_scoped(body, *[a for a in smem + barriers if a is not None], collective_axes="wg")
@@ -780,5 +847,5 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec, *,
     inputs = masks.without_padding(inputs)
     return forward_spec(inputs.q, inputs.k, inputs.v, spec, sink=inputs.sink,
                         dropout_hash=inputs_dropout_hash(inputs, spec),
-                        tables=tokens.from_inputs(spec, inputs), block_sizes=block_sizes,
-                        interpret=interpret)
+                        tables=tokens.from_inputs(spec, inputs), bias=inputs.bias,
+                        block_sizes=block_sizes, interpret=interpret)

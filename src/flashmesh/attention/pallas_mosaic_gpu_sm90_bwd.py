@@ -49,7 +49,14 @@ stationary side's ids (and positions) are copied once per warpgroup, the streame
 arrive with each Q/dO tile (dK/dV kernel, released with it) or K/V tile (dQ kernel, read before
 V's release frees the slot). Masked tiles use `tokens.mask`.
 
-Not implemented (NotImplementedError): bias, head dims not multiples of 64 (the
+Bias (the forward's, in q's dtype): the dQ kernel streams its tiles with K/V as the forward
+does and writes dS (dropout's 1 / (1 - r) included) per visited tile into a [B, N, T, S]
+output by TMA; the wrapper zeroes the tiles no CTA visited (EMPTY in the block map) and sums
+over the dims the bias broadcasts (`_reduce_dbias`). The dK/dV kernel reads the bias
+transposed ([B|1, N|1, S, T], an XLA transpose), streamed with the Q/dO tiles. The [B, N, T, S]
+intermediate costs B x N x T x S x 2 bytes, like a full bias.
+
+Not implemented (NotImplementedError): head dims not multiples of 64 (the
 128-byte swizzle), dK/dV accumulators beyond the register budget (d256), dropout with global
 key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
 step's (wgmma_wait(1)), ping-pong between
@@ -60,7 +67,7 @@ of 7).
 Example (sm90 = flashmesh.attention.pallas_mosaic_gpu_sm90, q/k/v/do as sm90.forward's):
     >>> spec = sm90.spec_for(q, k, v, scale=0.125, window=(-1, 0))
     >>> out, lse = sm90.forward_spec(q, k, v, spec, interpret=True)
-    >>> dq, dk, dv, dsink = backward_spec(q, k, v, out, lse, do, spec, interpret=True)
+    >>> dq, dk, dv, dsink, dbias = backward_spec(q, k, v, out, lse, do, spec, interpret=True)
 """
 
 from __future__ import annotations
@@ -79,10 +86,11 @@ from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (
     REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range,
     check_spec)
-from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, band_mask, check_dropout_hash,
-                                                         check_tables, dropout_keep,
-                                                         dropout_threshold, stream_kv)
-from flashmesh.attention.spec import AttentionSpec
+from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, band_mask, bias_copy, check_bias,
+                                                         check_dropout_hash, check_tables,
+                                                         dropout_keep, dropout_threshold,
+                                                         stream_kv, table_copies)
+from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
@@ -148,6 +156,9 @@ class BackwardBlockSizes:
         W, stages = self.num_compute_wgs, self.num_stages
         dkv += tokens.smem_bytes(spec, self.block_kv, self.block_q, stages, W)  # segments
         dq += tokens.smem_bytes(spec, self.block_q_dq, self.block_kv_dq, stages, W)
+        if spec.has_bias:  # the ring of bias tiles; dQ also stages its dS tile for dbias
+            dkv += stages * self.block_kv * self.block_q * size + SMEM_SLACK // 2
+            dq += (stages + 1) * self.block_q_dq * self.block_kv_dq * size + SMEM_SLACK // 2
         return {"dkv": dkv + SMEM_SLACK, "dq": dq + SMEM_SLACK}
 
     def registers(self, spec: AttentionSpec) -> dict[str, int]:
@@ -247,14 +258,20 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
 
 
-def _logits2(s, spec: AttentionSpec):
-    """Raw q.k -> (logits in log2 units, d logit / d (scale q.k) or None): the forward's
-    arithmetic exactly (cap tanh(scale s / cap), tanh x = 1 - 2 / (exp(2x) + 1)), so P
-    recomputed here matches the lse it wrote."""
+def _logits2(s, spec: AttentionSpec, bias=None):
+    """Raw q.k (and the tile's bias, float32, or None) -> (logits in log2 units, d logit /
+    d (scale q.k + bias) or None): the forward's arithmetic exactly (cap tanh(x / cap) of
+    x = scale s + bias, tanh x = 1 - 2 / (exp(2x) + 1)), so P recomputed here matches the lse
+    it wrote."""
     cap = spec.logits_soft_cap
     if cap is None:
-        return s * (spec.scale * LOG2E), None
-    e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
+        if bias is None:
+            return s * (spec.scale * LOG2E), None
+        return s * (spec.scale * LOG2E) + bias * LOG2E, None
+    if bias is None:
+        e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
+    else:
+        e = jnp.exp2((s * spec.scale + bias) * (2.0 * LOG2E / cap))
     t = 1.0 - 2.0 / (e + 1.0)
     return t * (cap * LOG2E), 1.0 - t * t
 
@@ -316,25 +333,29 @@ def _ring_drain(consumed, slot_of, total, stages):
 
 # -- the dK/dV kernel ---------------------------------------------------------------------------
 
-def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_refs, dk_ref, dv_ref,
-                smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
+def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, tok_refs, dk_ref,
+                dv_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
+                interpret: bool):
     # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk],
     # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # k_smem [W, rows, Dqk], v_smem [W, rows, Dv] (this CTA's keys; then dK, dV's epilogue),
     # q_smem [stages, bq, Dqk], do_smem [stages, bq, Dv], lse_smem, delta_smem [stages, bq] f32,
     # pt_smem, dst_smem [W, rows, bq] (interpret only, else None),
-    # hash_smem [stages, bq] uint32 or None; tok_refs None or (ranges [B, Sp / block_kv, 4],
+    # hash_smem [stages, bq] uint32 or None; bias_ref: the bias transposed, [B|1, N|1, Sp, Tp],
+    # or None, bias_smem [stages, W, rows, bq]; tok_refs None or (ranges [B, Sp / block_kv, 4],
     # q tables [B, Tp], kv tables [B, Sp]) (segments: ids, positions under a window);
     # kvtok_smem [W, rows] int32 per kv table, qtok_smem [stages, bq] int32 per q table
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem = smem[:9]
-    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready = barriers[:8]
-    n_tok = len(smem[9:]) // 2
-    kvtok_smem, qtok_smem = smem[9:9 + n_tok], smem[9 + n_tok:]
-    kvtok_ready, qtok_ready = barriers[8:8 + n_tok], barriers[8 + n_tok:]
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem,
+     bias_smem) = smem[:10]
+    (k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready,
+     bias_ready) = barriers[:9]
+    n_tok = len(smem[10:]) // 2
+    kvtok_smem, qtok_smem = smem[10:10 + n_tok], smem[10 + n_tok:]
+    kvtok_ready, qtok_ready = barriers[9:9 + n_tok], barriers[9 + n_tok:]
     dropout = hash_ref is not None
     stats_ready = ((q_ready, do_ready, lse_ready, delta_ready) + ((hash_ready,) if dropout else ())
-                   + tuple(qtok_ready))
+                   + ((bias_ready,) if bias_ref is not None else ()) + tuple(qtok_ready))
     W, stages, bq, G = bs.num_compute_wgs, bs.num_stages, bs.block_q, spec.group_size
     rows = bs.block_kv // W
     dtype = jnp.dtype(spec.dtype)
@@ -380,7 +401,8 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_r
             st, dpt = _two_products(k_smem.at[wg], q_tile_s.transpose((1, 0)),
                                     v_smem.at[wg], do_tile.transpose((1, 0)),
                                     (rows, bq), (rows, bq))
-            st2, dcap = _logits2(st, spec)
+            bias = None if bias_ref is None else bias_smem.at[slot, wg][...].astype(jnp.float32)
+            st2, dcap = _logits2(st, spec, bias)
             if masked and tok_refs:  # rows are keys, columns queries
                 q_tokens = [plgpu.load(buf.at[slot], layout=COL) for buf in qtok_smem] + [None]
                 st2 = tokens.mask(st2, q_tokens, kv_tokens, spec, q_dim=1)
@@ -448,28 +470,41 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_r
             for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
                 plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(q_tile * bq, bq)], buf.at[slot],
                                         ready.at[slot])
+            if bias_ref is not None:  # each warpgroup's keys x the query tile, transposed
+                b = batch if bias_ref.shape[0] > 1 else 0
+                n = head if bias_ref.shape[1] > 1 else 0
+                for w in range(W):
+                    plgpu.copy_gmem_to_smem(
+                        bias_ref.at[b, n, pl.ds(kv_tile * bs.block_kv + w * rows, rows),
+                                    pl.ds(q_tile * bq, bq)],
+                        bias_smem.at[slot, w], bias_ready.at[slot])
 
         _ring_drain((consumed,), slot_of, G * count, stages)
 
 
 # -- the dQ kernel ------------------------------------------------------------------------------
 
-def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_refs, dq_ref, smem,
-               barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes, interpret: bool):
+def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, tok_refs, dq_ref,
+               dbias_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
+               interpret: bool):
     # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk],
     # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # q_smem [W, rows, Dqk] (then dQ's epilogue), do_smem [W, rows, Dv], lse_smem,
     # delta_smem [W, rows] f32, k_smem [stages, bkv, Dqk], v_smem [stages, bkv, Dv],
     # ds_smem [W, rows, bkv] (interpret only, else None), hash_smem [W, rows] uint32 or None;
+    # bias_ref [B|1, N|1, Tp, Sp] or None, then dbias_ref [B, N, Tp, Sp] (dS per tile, the
+    # caller sums broadcast dims and zeroes tiles never visited); bias_smem [stages, W, rows,
+    # bkv], dbias_smem [W, rows, bkv];
     # tok_refs None or (ranges [B, Tp / block_q_dq, 4], q tables [B, Tp], kv tables [B, Sp]);
     # qtok_smem [W, rows] int32 per q table, kvtok_smem [stages, bkv] int32 per kv table
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, hash_smem = smem[:8]
+    (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, hash_smem, bias_smem,
+     dbias_smem) = smem[:10]
     (q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready, k_consumed, v_consumed,
-     hash_ready) = barriers[:9]
-    n_tok = len(smem[8:]) // 2
-    qtok_smem, kvtok_smem = smem[8:8 + n_tok], smem[8 + n_tok:]
-    qtok_ready, kvtok_ready = barriers[9:9 + n_tok], barriers[9 + n_tok:]
+     hash_ready, bias_ready) = barriers[:10]
+    n_tok = len(smem[10:]) // 2
+    qtok_smem, kvtok_smem = smem[10:10 + n_tok], smem[10 + n_tok:]
+    qtok_ready, kvtok_ready = barriers[10:10 + n_tok], barriers[10 + n_tok:]
     dropout = hash_ref is not None
     W, stages, bkv = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq
     rows = bs.block_q_dq // W
@@ -520,12 +555,16 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_re
             kv_tokens = None  # read before V's release, which frees the slot's tables too
             if masked and tok_refs:
                 kv_tokens = [plgpu.load(buf.at[slot], layout=COL) for buf in kvtok_smem] + [None]
+            bias = None
+            if bias_ref is not None:
+                plgpu.barrier_wait(bias_ready.at[slot])
+                bias = bias_smem.at[slot, wg][...].astype(jnp.float32)
             k_tile = k_smem.at[slot]
             s, dp = _two_products(q_smem.at[wg], k_tile.transpose((1, 0)),
                                   do_smem.at[wg], v_smem.at[slot].transpose((1, 0)),
                                   (rows, bkv), (rows, bkv))
             plgpu.barrier_arrive(v_consumed.at[slot])
-            s2, dcap = _logits2(s, spec)
+            s2, dcap = _logits2(s, spec, bias)
             if masked and tok_refs:
                 s2 = tokens.mask(s2, q_tokens, kv_tokens, spec, q_dim=0)
             elif masked:
@@ -540,6 +579,13 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_re
             ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
             if dcap is not None:
                 ds = ds * dcap
+            if dbias_ref is not None:  # dbias = dS (dropout's 1 / (1 - r) included)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read it
+                keep_scale = 1.0 / (1.0 - spec.dropout_rate)
+                dbias_smem.at[wg][...] = (ds * keep_scale if dropout else ds).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dbias_smem.at[wg], dbias_ref.at[
+                    batch, head, pl.ds(row0, rows), pl.ds(step * bkv, bkv)])
             (dq,) = accumulate((dq,), (ds.astype(dtype),), (k_tile,), staging)
             plgpu.barrier_arrive(k_consumed.at[slot])
             return dq
@@ -557,10 +603,13 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, tok_re
     @pl.when(wg == W)
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
+        extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
+        if bias_ref is not None:
+            extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head,
+                                q_tile * bs.block_q_dq, rows, W, bkv),)
         stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
                   batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=r.lo, hi=r.hi,
-                  bkv=bkv, stages=stages, slot_of=slot_of,
-                  extra=tuple(zip(tok_refs[2], kvtok_smem, kvtok_ready)) if tok_refs else ())
+                  bkv=bkv, stages=stages, slot_of=slot_of, extra=extra)
 
 
 # -- the wrapper --------------------------------------------------------------------------------
@@ -633,7 +682,7 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
-def _dkv(q, k, v, do, lse2, delta, row_hash, tables, spec, bs, interpret):
+def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret):
     W, stages, bq, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_q, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_kv // W, row_hash is not None
     n_tok, grid = tokens.per_side(spec), (k.shape[1] // bs.block_kv, spec.num_kv_heads, spec.batch)
@@ -647,20 +696,22 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, tables, spec, bs, interpret):
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
             _smem((W, rows, bq), dtype) if interpret else None,
             _smem((W, rows, bq), dtype) if interpret else None,
-            plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None]
+            plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None,
+            _smem((stages, W, rows, bq), dtype) if bias_t is not None else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bq), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
     barriers += [plgpu.Barrier(num_barriers=stages) if dropout else None]
+    barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) if bias_t is not None else None]
     barriers += [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=stages)] * n_tok
     kernel = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret)
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
-    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash, tok), out_type, smem, barriers,
-                   grid, ("kv", "heads", "batch"), bs, interpret)
+    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash, bias_t, tok), out_type, smem,
+                   barriers, grid, ("kv", "heads", "batch"), bs, interpret)
 
 
-def _dq(q, k, v, do, lse2, delta, row_hash, tables, spec, bs, interpret):
+def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):
     W, stages, bkv, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_q_dq // W, row_hash is not None
     n_tok, grid = tokens.per_side(spec), (q.shape[1] // bs.block_q_dq, spec.num_heads, spec.batch)
@@ -673,21 +724,33 @@ def _dq(q, k, v, do, lse2, delta, row_hash, tables, spec, bs, interpret):
             plgpu.SMEM((W, rows), jnp.float32), plgpu.SMEM((W, rows), jnp.float32),
             _smem((stages, bkv, spec.qk_dim), dtype), _smem((stages, bkv, spec.v_dim), dtype),
             _smem((W, rows, bkv), dtype) if interpret else None,
-            plgpu.SMEM((W, rows), jnp.uint32) if dropout else None]
+            plgpu.SMEM((W, rows), jnp.uint32) if dropout else None,
+            _smem((stages, W, rows, bkv), dtype) if bias is not None else None,
+            _smem((W, rows, bkv), dtype) if bias is not None else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bkv), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W) for _ in range(4)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(2)]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) for _ in range(2)]
     barriers += [plgpu.Barrier(num_barriers=W) if dropout else None]
+    barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) if bias is not None else None]
     barriers += [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=stages)] * n_tok
-    kernel = functools.partial(_kernel_dq, spec=spec, bs=bs, interpret=interpret)
-    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
-    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash, tok), out_type, smem, barriers,
-                   grid, ("q", "heads", "batch"), bs, interpret)
+    dq_kernel = functools.partial(_kernel_dq, spec=spec, bs=bs, interpret=interpret)
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),)
+    if bias is not None:  # dS of every visited tile, per batch row and head
+        out_type += (jax.ShapeDtypeStruct((spec.batch, spec.num_heads) + bias.shape[2:], dtype),)
+
+    def kernel(*refs):  # (inputs..., dq[, dbias], smem, barriers): dbias_ref None without bias
+        if bias is None:
+            refs = refs[:-2] + (None,) + refs[-2:]
+        return dq_kernel(*refs)
+
+    outs = _launch(kernel, (q, k, v, do, lse2, delta, row_hash, bias, tok), out_type, smem,
+                   barriers, grid, ("q", "heads", "batch"), bs, interpret)
+    return outs if bias is not None else (outs[0], None)
 
 
 def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_lse=None,
-                  dropout_hash=None, tables=None, block_sizes: BackwardBlockSizes | None = None,
+                  dropout_hash=None, tables=None, bias=None, block_sizes: BackwardBlockSizes | None = None,
                   interpret: bool | plgpu.InterpretGPUParams = False):
     """The gradients of `forward_spec(q, k, v, spec, sink=sink)` at cotangent `do`.
 
@@ -703,19 +766,21 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
         spec.dropout_rate > 0 (else None); out is then the forward's dropped output.
       tables: the forward's `pallas_mosaic_gpu_tokens.TokenTables` for a call with segments or
         explicit positions, else None.
+      bias: the forward's bias [B|1, N|1, T, S] (spec.bias_shape), else None.
       block_sizes: `default_for(spec)` when None; T and S need not be block multiples.
       interpret: run in Mosaic GPU's interpreter on CPU (see the module doc); an
         `plgpu.InterpretGPUParams` runs it with those settings (e.g. detect_races=True).
     Returns:
       (dq [B, T, N, Dqk] in q's dtype, dk [B, S, K, Dqk], dv [B, S, K, Dv] in k's and v's dtype,
-      dsink float32 [N] for softmax="learnable", else None). Rows that see no key get zero
-      gradient.
+      dsink float32 [N] for softmax="learnable", else None, dbias of the bias's shape and dtype
+      or None). Rows that see no key get zero gradient.
     """
     bs = default_for(spec) if block_sizes is None else block_sizes
     check(spec, bs)
     _check_arrays(q, k, v, out, lse, do, spec, sink)
     check_dropout_hash(spec, dropout_hash)
     check_tables(spec, tables)
+    check_bias(spec, bias)
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
     if d_lse is not None:
         if d_lse.shape != lse.shape:
@@ -737,7 +802,32 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     delta = _pad_to(delta, 2, int(q_mult))
     if dropout_hash is not None:  # padded rows have dO = 0: their hash does not matter
         dropout_hash = _pad_to(dropout_hash, 2, int(q_mult))
-    dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, tables, spec, bs, interpret)
-    dq = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, tables, spec, bs, interpret)
+    bias_p = bias_t = None
+    if bias is not None:  # zero-padded like q, k; the dK/dV kernel reads it transposed
+        bias_p = _pad_to(_pad_to(bias.astype(q.dtype), 2, int(q_mult)), 3, int(kv_mult))
+        bias_t = bias_p.swapaxes(2, 3)
+    dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs, interpret)
+    dq, dbias = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_p, tables, spec, bs, interpret)
     S, T = spec.kv_len, spec.q_len
-    return dq[:, :T], dk[:, :S], dv[:, :S], dsink
+    if dbias is not None:
+        dbias = _reduce_dbias(dbias[:, :, :T, :S], spec, tables, bs).astype(bias.dtype)
+    return dq[:, :T], dk[:, :S], dv[:, :S], dsink, dbias
+
+
+def _reduce_dbias(dbias, spec: AttentionSpec, tables, bs: BackwardBlockSizes):
+    """The dQ kernel's dS [B, N, T, S] -> the bias's gradient: tiles it never visited (EMPTY in
+    the block map, their memory unwritten) set to 0, then summed in float32 over the dims the
+    bias broadcasts (B or N of size 1)."""
+    from flashmesh.attention import masks
+
+    inputs = AttentionInputs(q=None, k=None, v=None)
+    if tables is not None:
+        inputs = AttentionInputs(q=None, k=None, v=None, q_segment_ids=tables.q_segment_ids,
+                                 kv_segment_ids=tables.kv_segment_ids,
+                                 q_positions=tables.q_positions, kv_positions=tables.kv_positions)
+    classes = masks.block_map(spec, inputs, bs.block_q_dq, bs.block_kv_dq)  # [B|1, nq, nk]
+    seen = jnp.repeat(jnp.repeat(jnp.asarray(classes != masks.EMPTY), bs.block_q_dq, axis=1),
+                      bs.block_kv_dq, axis=2)[:, None, :spec.q_len, :spec.kv_len]
+    dbias = jnp.where(seen, dbias.astype(jnp.float32), 0.0)
+    axes = tuple(a for a, n in enumerate(spec.bias_shape[:2]) if n == 1)
+    return dbias.sum(axis=axes, keepdims=True) if axes else dbias

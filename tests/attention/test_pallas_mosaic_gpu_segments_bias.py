@@ -1,6 +1,6 @@
-"""The Mosaic GPU kernels with packed segments, padding and explicit positions, through the
-registered backend's custom VJP (`pallas_mosaic_gpu.attention_with`), against the float32
-reference: output, lse and dq, dk, dv (and dsink).
+"""The Mosaic GPU kernels with packed segments, padding, explicit positions and a post-scale
+bias, through the registered backend's custom VJP (`pallas_mosaic_gpu.attention_with`),
+against the float32 reference: output, lse and dq, dk, dv (and dsink, dbias).
 
 On CPU the kernels run in Mosaic GPU's interpreter (tiny shapes); the `gpu`-marked copies run
 compiled on a Hopper GPU, plus 16 packed documents at the default tiles. Without a GPU the
@@ -8,8 +8,10 @@ compiled path is lowered for cuda (Mosaic's shared-memory count is checked again
 
 Cases: packed documents whose boundaries fall inside tiles, a trailing padding run, a window
 (so positions are read) with GQA, tails (T not a tile multiple) and the learnable sink; padding
-(one segment per row) for cross attention T != S without a window (ids only) with dropout.
-Padding tokens hold NaN in q, k, v: they must not reach any output.
+(one segment per row) for cross attention T != S without a window (ids only) with dropout;
+a bias shared over the batch ([1, N, T, S]) with causal GQA, tails and the soft cap (the bias
+joins the logit before the cap); a per-batch bias ([B, 1, T, S]) on the packed documents.
+Padding tokens hold NaN in q, k, v and in the bias: they must not reach any output.
 
 Tolerance: relative L2 error <= 1e-2 (bf16) per output and gradient, as the band-mask tests;
 a wrong segment mask or tile range gives O(1).
@@ -51,6 +53,10 @@ class Case:
     softmax: str = "vanilla"
     dropout_rate: float = 0.0
     seqlens: bool = False  # the descriptor from lengths (padding at the end) instead of ids
+    bias: tuple[int, int] | None = None  # (B|1, N|1) of a bias [B|1, N|1, T, S]
+    cap: float | None = None
+    T: int = 200  # the lengths of a case without segments (q_ids None, batch 2)
+    S: int = 136
     blocks: tuple | None = (FWD, BWD)  # None: the backend's defaults
 
 
@@ -58,15 +64,18 @@ def ids_of(runs) -> np.ndarray:
     return np.array([np.concatenate([np.full(n, i, np.int32) for i, n in row]) for row in runs])
 
 
+PACKED = (((1, 70), (2, 80), (3, 40), (0, 10)), ((1, 130), (2, 70)))
+
+
 CASES = [
     # Row 0: three documents (boundaries at 70 and 150, inside tiles) then 10 padding tokens;
     # row 1: two documents. A window of 50 on top of causal reads positions.
-    Case("packed_window_gqa_tails_learnable",
-         q_ids=(((1, 70), (2, 80), (3, 40), (0, 10)), ((1, 130), (2, 70))),
-         window=(50, 0), softmax="learnable"),
+    Case("packed_window_gqa_tails_learnable_bias", q_ids=PACKED, window=(50, 0),
+         softmax="learnable", bias=(2, 1)),
     # Cross attention with padding: 100 / 130 valid queries of 130, 190 / 60 valid keys of 190.
     Case("padding_cross_no_window_dropout", mask="none", dropout_rate=0.2, seqlens=True,
          q_ids=(((1, 100), (0, 30)), ((1, 130),)), kv_ids=(((1, 190),), ((1, 60), (0, 130)))),
+    Case("bias_shared_causal_gqa_tails_cap", q_ids=None, bias=(1, 2), cap=5.0),
 ]
 GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
     Case("gpu_16_documents_causal_d128", N=8, K=2, D=128, blocks=None,
@@ -75,11 +84,31 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
 ]
 
 
+def visible(case: Case, q_ids, kv_ids) -> np.ndarray:
+    """bool [B, T, S], built here from the ids (self attention or no segments; positions are
+    offsets from each segment's start, the descriptor's default)."""
+    def positions(ids):
+        idx = np.arange(ids.shape[1])
+        starts = np.array([[np.flatnonzero(row == row[i])[0] for i in idx] for row in ids])
+        return idx[None] - starts
+
+    vis = (q_ids[:, :, None] == kv_ids[:, None, :]) & (q_ids != 0)[:, :, None]
+    if case.mask == "causal" or case.window is not None:
+        d = positions(q_ids)[:, :, None] - positions(kv_ids)[:, None, :]
+        left, right = case.window or (-1, 0)
+        vis &= (d <= left) if left >= 0 else True
+        vis &= d >= -right
+    return vis
+
+
 def make(case: Case, seed: int = 0):
-    q_ids = ids_of(case.q_ids)
-    kv_ids = q_ids if case.kv_ids is None else ids_of(case.kv_ids)
+    if case.q_ids is None:  # no segments: every token valid
+        q_ids, kv_ids = np.ones((2, case.T), np.int32), np.ones((2, case.S), np.int32)
+    else:
+        q_ids = ids_of(case.q_ids)
+        kv_ids = q_ids if case.kv_ids is None else ids_of(case.kv_ids)
     (B, T), S = q_ids.shape, kv_ids.shape[1]
-    ks = jax.random.split(jax.random.key(seed), 5)
+    ks = jax.random.split(jax.random.key(seed), 6)
     shapes = [(B, T, case.N, case.D), (B, S, case.K, case.D), (B, S, case.K, case.D),
               (B, T, case.N, case.D)]
     q, k, v, g = (jax.random.normal(key, shape, jnp.float32) for key, shape in zip(ks, shapes))
@@ -88,7 +117,10 @@ def make(case: Case, seed: int = 0):
     q = jnp.where((q_ids == 0)[:, :, None, None], jnp.nan, q).astype(jnp.bfloat16)
     k = jnp.where((kv_ids == 0)[:, :, None, None], jnp.nan, k).astype(jnp.bfloat16)
     v = jnp.where((kv_ids == 0)[:, :, None, None], jnp.inf, v).astype(jnp.bfloat16)
-    if case.seqlens:
+    segments = None
+    if case.q_ids is None:
+        pass
+    elif case.seqlens:
         lengths = (jnp.asarray((q_ids != 0).sum(1), jnp.int32), jnp.asarray((kv_ids != 0).sum(1), jnp.int32))
         segments = flashmesh.SequenceDescriptor.from_seqlens(lengths)
     else:
@@ -96,42 +128,59 @@ def make(case: Case, seed: int = 0):
         segments = flashmesh.SequenceDescriptor.from_segment_ids_and_pos(ids)
     sink = (jax.random.uniform(ks[4], (case.N,), jnp.float32, -1.5, 1.5)
             if case.softmax == "learnable" else None)
+    bias = None
+    if case.bias is not None:  # N(0, 4): it moves the softmax; NaN where a padding row or column
+        bias = 2.0 * jax.random.normal(ks[5], case.bias + (T, S), jnp.float32)
+        pad = (q_ids == 0)[:, None, :, None] | (kv_ids == 0)[:, None, None, :]
+        bias = jnp.where(pad[:case.bias[0]], jnp.nan, bias)
     options = dict(mask=case.mask, window=case.window, segments=segments, softmax=case.softmax,
-                   sink=sink, dropout_rate=case.dropout_rate,
+                   dropout_rate=case.dropout_rate, logits_soft_cap=case.cap,
                    dropout_rng=jax.random.key(5) if case.dropout_rate else None)
-    return (q, k, v, g, sink), options, q_ids, kv_ids
+    return (q, k, v, g, sink, bias), options, q_ids, kv_ids
 
 
 def check_case(case: Case, *, interpret: bool):
-    (q, k, v, g, sink), options, q_ids, kv_ids = make(case)
+    (q, k, v, g, sink, bias), options, q_ids, kv_ids = make(case)
 
-    def kernel(q, k, v, sink):
-        inputs, spec = normalize(q, k, v, return_lse=True, **dict(options, sink=sink))
+    def kernel(q, k, v, sink, bias):
+        inputs, spec = normalize(q, k, v, return_lse=True, **dict(options, sink=sink, bias=bias))
         if case.blocks is None:
             return pmg.attention(inputs, spec)
         return pmg.attention_with(inputs, spec, *case.blocks, interpret=interpret)
 
-    def reference(q, k, v, sink):
+    def reference(q, k, v, sink, bias):
         return flashmesh.attention(q, k, v, return_lse=True, implementation="reference",
-                                   **dict(options, sink=sink))
+                                   **dict(options, sink=sink, bias=bias))
 
-    def loss(f, q, k, v, sink):
-        out, lse = f(q, k, v, sink)
+    def loss(f, q, k, v, sink, bias):
+        out, lse = f(q, k, v, sink, bias)
         return jnp.sum(out.astype(jnp.float32) * g), (out, lse)
 
-    argnums = (0, 1, 2, 3) if sink is not None else (0, 1, 2)
+    # dq, dk, dv, then dsink and dbias where present
+    argnums = (0, 1, 2) + ((3,) if sink is not None else ()) + ((4,) if bias is not None else ())
+    names = ("dq", "dk", "dv") + (("dsink",) if sink is not None else ()) + (
+        ("dbias",) if bias is not None else ())
     (grads, (out, lse)) = jax.jit(jax.grad(lambda *a: loss(kernel, *a), argnums, has_aux=True))(
-        q, k, v, sink)
+        q, k, v, sink, bias)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     (want, (ref_out, ref_lse)) = jax.grad(lambda *a: loss(reference, *a), argnums,
-                                          has_aux=True)(*f32, sink)
+                                          has_aux=True)(*f32, sink, bias)
     valid_q, valid_kv = q_ids != 0, kv_ids != 0
     rel_l2(f"{case.name} out", out, ref_out, 1e-2)
     lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    # a bias is read in bf16: its rounding (2^-9 of N(0, 4)) moves the lse by up to ~1e-2
     np.testing.assert_allclose(lse.transpose(0, 2, 1)[valid_q], ref_lse.transpose(0, 2, 1)[valid_q],
-                               rtol=0, atol=1e-3)
-    for name, got, expected in zip(("dq", "dk", "dv", "dsink"), grads, want):
+                               rtol=0, atol=3e-2 if bias is not None else 1e-3)
+    for name, got, expected in zip(names, grads, want):
         rel_l2(f"{case.name} {name}", got, expected, 1e-2)
+    if bias is not None:  # the bias's own shape and dtype; exactly zero where nothing is seen
+        dbias = np.asarray(grads[-1])
+        assert dbias.shape == bias.shape and grads[-1].dtype == bias.dtype
+        unseen = ~visible(case, q_ids, kv_ids)[:, None]  # [B, 1, T, S]
+        unseen = unseen.all(axis=0, keepdims=True) if case.bias[0] == 1 else unseen
+        np.testing.assert_array_equal(np.broadcast_to(dbias, unseen.shape[:1] + dbias.shape[1:])[
+            np.broadcast_to(unseen, unseen.shape[:1] + dbias.shape[1:])], 0.0)
+        assert unseen.any()
     # padding: output 0 and zero gradient (NaN inputs included), lse of an empty row
     np.testing.assert_array_equal(np.asarray(out, np.float32)[~valid_q], 0.0)
     np.testing.assert_array_equal(np.asarray(grads[0], np.float32)[~valid_q], 0.0)
@@ -140,10 +189,11 @@ def check_case(case: Case, *, interpret: bool):
     if case.softmax == "vanilla":
         np.testing.assert_array_equal(lse.transpose(0, 2, 1)[~valid_q], np.float32(EMPTY_ROW_LSE))
     # the cases mean what they say: padding present, and tiles outside a document are skipped
-    assert (~valid_q).any() or case.name.startswith("gpu")
-    inputs, spec = normalize(q, k, v, **options)
-    assert spec.segments == ("padding" if case.seqlens else "packed"), spec.segments
-    if case.blocks is not None:
+    assert (~valid_q).any() or case.name.startswith(("gpu", "bias_shared"))
+    inputs, spec = normalize(q, k, v, **dict(options, sink=sink, bias=bias))
+    if case.q_ids is not None:
+        assert spec.segments == ("padding" if case.seqlens else "packed"), spec.segments
+    if case.blocks is not None and case.q_ids is not None:
         nq, nk = -(-spec.q_len // FWD.block_q), -(-spec.kv_len // FWD.block_kv)
         ranges = tokens.kernel_arrays(spec, tokens.from_inputs(spec, inputs), FWD.block_q,
                                       FWD.block_kv, q_len=nq * FWD.block_q,
@@ -162,13 +212,14 @@ def test_segments_gpu(case):
     check_case(case, interpret=False)
 
 
-@pytest.mark.parametrize("window, blocks", [
-    ((-1, 0), BlockSizes()), ((-1, -1), BlockSizes(num_stages=2, block_kv=64)),
-    ((100, 0), BlockSizes(block_kv=64, intra_wg_overlap=True)),
+@pytest.mark.parametrize("window, blocks, bias", [
+    ((-1, 0), BlockSizes(), None), ((-1, -1), BlockSizes(num_stages=2, block_kv=64), None),
+    ((100, 0), BlockSizes(block_kv=64, intra_wg_overlap=True), None),
+    ((-1, 0), BlockSizes(block_kv=64), (1, 4)),
 ])
-def test_gpu_path_lowers_with_tables(window, blocks, monkeypatch):
-    """Forward and backward with segment tables lower for cuda without a GPU; the forward's
-    shared memory is exactly sm90.smem_bytes, the backward's within its estimate."""
+def test_gpu_path_lowers_with_tables(window, blocks, bias, monkeypatch):
+    """Forward and backward with segment tables (and a bias) lower for cuda without a GPU; the
+    forward's shared memory is exactly sm90.smem_bytes, the backward's within its estimate."""
     import jax.experimental.mosaic.gpu.core as mosaic_core
 
     counted, tree_size = [], mosaic_core._smem_tree_size
@@ -183,20 +234,22 @@ def test_gpu_path_lowers_with_tables(window, blocks, monkeypatch):
     ids = jnp.zeros((B, T), jnp.int32)
     q = jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, T, K, D), jnp.bfloat16)
+    bias_arg = None if bias is None else jnp.zeros(bias + (T, T), jnp.bfloat16)
     inputs, spec = normalize(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
-                             jnp.zeros(kv.shape, kv.dtype), mask=mask,
+                             jnp.zeros(kv.shape, kv.dtype), mask=mask, bias=bias_arg,
                              window=None if window[0] < 0 else window,
                              segments=flashmesh.SequenceDescriptor.from_segment_ids_and_pos(ids + 1))
     assert tokens.per_side(spec) == (2 if spec.has_window else 1)
     table = jax.ShapeDtypeStruct((B, T), jnp.int32)
     lse = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
 
-    def both(q, k, v, do, lse, a, b, c, d):
+    def both(q, k, v, do, lse, bias, a, b, c, d):
         t = tokens.TokenTables(a, b, c, d)
-        out, _ = sm90.forward_spec(q, k, v, spec, tables=t, block_sizes=blocks)
-        return out, bwd.backward_spec(q, k, v, do, lse, do, spec, tables=t)
+        out, _ = sm90.forward_spec(q, k, v, spec, tables=t, bias=bias, block_sizes=blocks)
+        return out, bwd.backward_spec(q, k, v, do, lse, do, spec, tables=t, bias=bias)
 
-    jax.jit(both).trace(q, kv, kv, q, lse, *[table] * 4).lower(lowering_platforms=("cuda",))
+    jax.jit(both).trace(q, kv, kv, q, lse, bias_arg, *[table] * 4).lower(
+        lowering_platforms=("cuda",))
     estimate = bwd.default_for(spec).smem_bytes(spec)
     assert len(counted) == 3, counted
     assert counted[0] == sm90.smem_bytes(spec, blocks), (counted, sm90.smem_bytes(spec, blocks))
