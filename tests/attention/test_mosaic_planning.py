@@ -313,7 +313,8 @@ def test_shared_memory_count():
 # -- the table and default_for ------------------------------------------------------------------
 
 ANCHORS = {  # name: (spec, expected (block_q, block_kv, num_stages, num_compute_wgs))
-    "seed000_gqa_swa": (make_spec(4096, 4096, (128, 0), B=2, N=128, K=8, Dqk=128), (128, 64, 2, 2)),
+    "seed000_gqa_swa": (make_spec(4096, 4096, (128, 0), B=2, N=128, K=8, Dqk=128),
+                        mg.WindowBlockSizes(block_kv=64, num_compute_wgs=2)),
     "seed000_mla": (make_spec(4096, 4096, (-1, 0), B=2, N=128, K=8, Dqk=128, Dv=64), (128, 128, 2, 2)),
     "full_4k_h16_d128": (make_spec(4096, 4096, B=4, N=16, K=16, Dqk=128), (128, 128, 2, 2)),
     "causal_8k_h32_d128": (make_spec(8192, 8192, (-1, 0), N=32, K=32, Dqk=128), (128, 128, 2, 2)),
@@ -331,8 +332,12 @@ def test_default_for_anchors(name):
     assert entry is not None and entry["anchor"] == name and entry["tuned"] is False
     for kind in (H100, "NVIDIA H200"):
         bs = mg.default_for(spec, kind)
+        if isinstance(expected, mg.WindowBlockSizes):  # the window kernel's entry
+            assert bs == expected
+            continue
         assert (bs.block_q, bs.block_kv, bs.num_stages, bs.num_compute_wgs) == expected
-    assert mg.split_kv(spec, bs) == 1  # every anchor fills the chip
+    if isinstance(bs, mg.BlockSizes):
+        assert mg.split_kv(spec, bs) == 1  # every anchor fills the chip
 
 
 def test_default_for_heuristic_and_devices():
@@ -364,7 +369,7 @@ def test_table_entries_all_validate_and_are_reachable():
             spec = make_spec(L, L, window, N=8 * group, K=8, Dqk=key["qk_dim"], Dv=key["v_dim"],
                              dtype=dtype)
             assert mg.matching_entry(spec, H100) is entry, entry["anchor"]
-            assert mg.default_for(spec, H100) == mg.BlockSizes(**entry["config"]).validate_for(spec)
+            assert mg.default_for(spec, H100) == mg.forward_config(entry["config"]).validate_for(spec)
 
 
 def test_split_kv_for_decoding():
@@ -376,3 +381,19 @@ def test_split_kv_for_decoding():
     assert mg.split_kv(make_spec(64, 64, N=8), bs) == 1  # one key tile: nothing to split
     with pytest.raises(ValueError, match="num_sms=0"):
         mg.split_kv(spec, bs, num_sms=0)
+    # the configuration a decoding call gets splits its keys that way
+    chosen = mg.default_for(spec, H100)
+    assert chosen.num_splits == mg.split_kv(spec, chosen) > 1, chosen
+    with pytest.raises(ValueError, match="num_splits=0 must be in"):
+        mg.BlockSizes(num_splits=0)
+
+
+def test_split_part_in_a_kernel_is_split_ranges():
+    """The scalar form the kernel evaluates per CTA equals the array form, split by split."""
+    spec = make_spec(300, 1000, (200, 0), bottom_right=True)
+    r = mg.kv_ranges(spec, 64, 64)
+    parts = mg.split_ranges(r, 5)
+    for s in range(5):
+        for i in range(len(r.lo)):
+            one = mg.split_part(mg.TileRanges(*(jnp.int32(x[i]) for x in r)), jnp.int32(s), 5)
+            assert tuple(int(x) for x in one) == tuple(int(x[s, i]) for x in parts), (s, i)

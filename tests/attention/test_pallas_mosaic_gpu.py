@@ -82,6 +82,13 @@ CASES = [
     Case("three_wg_ring_empty_tile", T=384, S=128, N=1, K=1, window=(-1, 0), bottom_right=True,
          blocks=BlockSizes(block_q=192, block_kv=64, num_stages=3, num_compute_wgs=3,
                            intra_wg_overlap=True)),
+    # KV splits (flash-decoding): a short query against 11 key tiles in 3 parts, the sink
+    # joining at the merge; and 4 splits of a single key tile (3 empty parts) where query
+    # tile 0 sees nothing (bottom-right T > S).
+    Case("kv_splits_decode_learnable", T=64, S=700, N=2, K=1, window=(-1, 0), bottom_right=True,
+         softmax="learnable", blocks=dataclasses.replace(ONE_WG, num_splits=3)),
+    Case("kv_splits_empty_parts_off_by_one", T=128, S=64, N=1, K=1, window=(-1, 0),
+         bottom_right=True, softmax="off_by_one", blocks=dataclasses.replace(ONE_WG, num_splits=4)),
 ]
 
 # GPU only (too large for the interpreter): the probe's tiles at full size.
@@ -177,7 +184,8 @@ def check_case(case: Case, *, interpret: bool):
         np.testing.assert_array_equal(np.asarray(lse)[:, :, empty], np.float32(empty_lse))
     # the cases mean what they say
     assert (case.name != "empty_rows") or empty.sum() == 192
-    assert (case.name != "off_by_one_empty_rows") or empty.sum() == 64
+    assert (case.name not in ("off_by_one_empty_rows", "kv_splits_empty_parts_off_by_one")
+            or empty.sum() == 64)
     assert (case.name != "three_wg_ring_empty_tile") or empty.sum() == 256  # all of tile 0 + 64
 
 
@@ -204,6 +212,7 @@ LOWERINGS = [
     (1000, 128, 64, (100, 20), "learnable", 2.0, BlockSizes(block_kv=64)),
     (512, 256, 256, (-1, 0), "off_by_one", None, BlockSizes(block_kv=64, num_stages=1,
                                                             block_q=64, num_compute_wgs=1)),
+    (1024, 128, 128, (-1, 0), "learnable", None, BlockSizes(num_splits=4)),  # KV splits
 ]
 
 

@@ -127,8 +127,10 @@ CASES = [
          blocks=(TWO_WG, TWO_WG_BWD)),
     Case("window_tails_learnable", T=136, S=136, N=2, K=1, rate=0.3,
          options=(("mask", "none"), ("window", (30, 10)), ("softmax", "learnable"))),
-    Case("gqa_bottom_right_cap", T=128, S=256, N=2, K=1, rate=0.5,
-         options=(("mask", "causal_bottom_right"), ("logits_soft_cap", 2.0))),
+    # the forward in 2 KV splits (each drops its own keys' elements; merged by lse)
+    Case("gqa_bottom_right_cap_kv_splits", T=128, S=256, N=2, K=1, rate=0.5,
+         options=(("mask", "causal_bottom_right"), ("logits_soft_cap", 2.0)),
+         blocks=(dataclasses.replace(ONE_WG, num_splits=2), ONE_WG_BWD)),
 ]
 GPU_CASES = [
     Case("gpu_d128_causal_gqa", T=1024, S=1024, N=8, K=2, D=128, options=(("mask", "causal"),),

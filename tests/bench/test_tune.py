@@ -33,8 +33,9 @@ def test_table_keys():
 
 
 def _result(name, config, ms=0.5):
-    return dict(shape=name, key=tune.table_key(tune.spec_of(ANCHORS[name])), rows=[{}, {}],
-                best=dict(config, pingpong=None, lpt_order=True), best_ms_back_to_back=ms)
+    best = dict(config, pingpong=None, lpt_order=True)
+    return dict(shape=name, key=tune.table_key(tune.spec_of(ANCHORS[name])),
+                rows=[dict(config=best, compile_s=1.25), {}], best=best, best_ms_back_to_back=ms)
 
 
 def test_write_table_updates_by_anchor_and_appends(tmp_path):
@@ -49,9 +50,14 @@ def test_write_table_updates_by_anchor_and_appends(tmp_path):
     entries = json.loads(path.read_text())["entries"]
     swa = [e for e in entries if e.get("anchor") == "seed000_gqa_swa"]
     assert len(swa) == 1 and swa[0]["tuned"] is True and swa[0]["config"] == config
-    assert "0.5000 ms back to back, best of 2" in swa[0]["source"]
+    assert "0.5000 ms back to back, best of 2" in swa[0]["source"] and swa[0]["compile_s"] == 1.25
     assert len(entries) in (len(before), len(before) + 1)  # codelab_te_2048: its entry, or a new one
     assert [e for e in entries if e.get("anchor") == "codelab_te_2048"][0]["config"] == config
+    # a window-kernel winner keeps its kind
+    window = dict(kernel="window", block_kv=64, num_compute_wgs=1)
+    tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=window)], meta)
+    swa = [e for e in json.loads(path.read_text())["entries"] if e.get("anchor") == "seed000_gqa_swa"]
+    assert swa[0]["config"] == window
     common.load_table.cache_clear()
 
 

@@ -4,8 +4,9 @@ Shape legend: B batch, T query length, S key length, N query heads, K key/value 
 Dqk / Dv head dims.
 
 Forward: `pallas_mosaic_gpu_sm90.forward_spec` (warp-specialised, TMA producer, exp2 online
-softmax, tile skipping from the band's tile ranges), tiles from `pallas_mosaic_gpu_common.
-default_for`. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
+softmax, tile skipping from the band's tile ranges), or for narrow windows (a band of at most
+256 keys per 64 queries) `pallas_mosaic_gpu_sm90_window.forward_spec` (the band kept in shared
+memory for the group's query heads), as `pallas_mosaic_gpu_common.default_for` configures. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
 band's query tiles and the group's query heads, and a dQ kernel), under one custom VJP here;
 an lse cotangent enters as delta - d_lse.
 
@@ -95,7 +96,8 @@ def config(spec: AttentionSpec, device_kind: str | None = None):
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 
     fwd = common.default_for(spec, device_kind or jax.devices()[0].device_kind)
-    while fwd.num_stages > 1 and sm90.smem_bytes(spec, fwd) > common.SMEM_BYTES:
+    while (isinstance(fwd, common.BlockSizes) and fwd.num_stages > 1
+           and sm90.smem_bytes(spec, fwd) > common.SMEM_BYTES):
         fwd = dataclasses.replace(fwd, num_stages=fwd.num_stages - 1)
     return fwd, bwd.default_for(spec)
 
@@ -109,20 +111,45 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
     entry = common.matching_entry(spec, kind)
     source = ("the heuristic (no table entry)" if entry is None else
               f"table entry {entry.get('anchor', entry['key'])} ({'tuned' if entry.get('tuned') else 'untuned'})")
-    return (f"forward tiles {fwd.block_q}x{fwd.block_kv}, {fwd.num_stages} stages, {fwd.num_compute_wgs} "
-            f"compute warpgroups from {source}; backward dK/dV {back.block_q}x{back.block_kv}, dQ "
-            f"{back.block_q_dq}x{back.block_kv_dq}, {back.num_stages} stages")
+    if isinstance(fwd, common.WindowBlockSizes):
+        forward = (f"forward: the window kernel, a band of {fwd.band_tiles(spec)}x{fwd.block_kv} keys "
+                   f"per 64 queries shared by {fwd.num_compute_wgs} warpgroups over the group's "
+                   f"{spec.group_size} heads")
+    else:
+        forward = (f"forward tiles {fwd.block_q}x{fwd.block_kv}, {fwd.num_stages} stages, "
+                   f"{fwd.num_compute_wgs} compute warpgroups")
+        if fwd.num_splits > 1:
+            forward += f", keys split {fwd.num_splits} ways (flash-decoding)"
+    compile_s = None if entry is None else entry.get("compile_s")
+    compiled = ("forward compile time not measured (no tuned entry)" if compile_s is None else
+                f"forward compiled in {compile_s:.2f} s when tuned")
+    return (f"{forward} from {source}; backward dK/dV {back.block_q}x{back.block_kv}, dQ "
+            f"{back.block_q_dq}x{back.block_kv_dq}, {back.num_stages} stages; {compiled}")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kernel(setup, q, k, v, sink, bias, dropout_hash, tables):
-    """setup: (spec, forward BlockSizes, BackwardBlockSizes, interpret), static; dropout_hash
-    and tables (segments) are integers, never differentiated."""
-    from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
-
+    """setup: (spec, forward BlockSizes or WindowBlockSizes, BackwardBlockSizes, interpret),
+    static; dropout_hash and tables (segments) are integers, never differentiated."""
     spec, fwd_blocks, _, interpret = setup
+    return forward(q, k, v, spec, fwd_blocks, sink=sink, dropout_hash=dropout_hash, tables=tables,
+                   bias=bias, interpret=interpret)
+
+
+def forward(q, k, v, spec: AttentionSpec, blocks, *, sink=None, dropout_hash=None, tables=None,
+            bias=None, interpret: bool = False):
+    """(out, lse) of the forward kernel a configuration names: the window kernel for a
+    WindowBlockSizes, the general one (sm90.forward_spec) for a BlockSizes."""
+    from flashmesh.attention import pallas_mosaic_gpu_common as common
+    from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_window as window
+
+    if isinstance(blocks, common.WindowBlockSizes):
+        if dropout_hash is not None or tables is not None or bias is not None:
+            raise ValueError("the window kernel takes no dropout, segments or bias")
+        return window.forward_spec(q, k, v, spec, sink=sink, block_sizes=blocks, interpret=interpret)
     return sm90.forward_spec(q, k, v, spec, sink=sink, dropout_hash=dropout_hash, tables=tables,
-                             bias=bias, block_sizes=fwd_blocks, interpret=interpret)
+                             bias=bias, block_sizes=blocks, interpret=interpret)
 
 
 def _kernel_fwd(setup, q, k, v, sink, bias, dropout_hash, tables):

@@ -236,6 +236,9 @@ class BlockSizes:
       only when qk_dim == v_dim, else O gets its own buffer.
     lpt_order: visit the query tiles of each (head, batch) last to first, so the longest
       causal tiles start first and the short ones fill the last wave (tokamax, FA3's LPT).
+    num_splits: KV splits (flash-decoding, 1 to 128): each query tile's key tiles are cut into
+      num_splits parts (`split_part`) run by separate CTAs, whose normalised outputs and lse XLA
+      merges; `split_kv` chooses it when too few tiles fill the chip.
     """
 
     block_q: int = 128
@@ -248,6 +251,7 @@ class BlockSizes:
     intra_wg_overlap: bool = False
     reuse_q_for_o: bool = True
     lpt_order: bool = True
+    num_splits: int = 1
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -261,6 +265,7 @@ class BlockSizes:
               f"a positive multiple of 64 * num_compute_wgs = {rows}")
         check("block_kv", lambda b: 0 < b <= 256 and b % 8 == 0, "a multiple of 8 in [8, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
+        check("num_splits", lambda s: 1 <= s <= 128, "in [1, 128]")
         compute, memory = (232, 40) if self.num_compute_wgs <= 2 else (160, 32)
         if self.compute_registers is None:
             object.__setattr__(self, "compute_registers", compute)
@@ -300,7 +305,7 @@ class BlockSizes:
         lse rows, the learnable sink's rows, and the barriers. Mirrors the scratch list of
         `pallas_mosaic_gpu_sm90.forward_spec` (a test compares the two on compiled kernels)."""
         size, rows, W = jnp.dtype(spec.dtype).itemsize, self.block_q, self.num_compute_wgs
-        sink = spec.softmax == "learnable"
+        sink = spec.softmax == "learnable" and self.num_splits == 1  # splits: sink at the merge
         buffers = [rows * spec.qk_dim * size,
                    self.num_stages * self.block_kv * spec.qk_dim * size,
                    self.num_stages * self.block_kv * spec.v_dim * size,
@@ -340,6 +345,78 @@ class BlockSizes:
                 f"shared memory for qk_dim={spec.qk_dim}, v_dim={spec.v_dim}, {spec.dtype}, "
                 f"softmax={spec.softmax!r}; at most {SMEM_BYTES} (227 KB)")
         return self
+
+
+# -- the window kernel's tiles --------------------------------------------------------------
+
+WINDOW_ROWS = WGMMA_M  # query positions per block of the window kernel: one WGMMA M
+WINDOW_MAX_BAND = 256  # keys in its S = Q Kᵀ: WGMMA's largest N
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowBlockSizes:
+    """The window kernel's configuration: block_kv keys per band tile (a multiple of 64 for
+    16-bit inputs), num_compute_wgs warpgroups sharing the group's heads (1 or 2; G must be a
+    multiple)."""
+
+    block_kv: int = 64
+    num_compute_wgs: int = 2
+
+    def __post_init__(self):
+        if self.block_kv not in (64, 128):
+            raise ValueError(f"WindowBlockSizes.block_kv={self.block_kv!r} must be 64 or 128")
+        if self.num_compute_wgs not in (1, 2):
+            raise ValueError(f"WindowBlockSizes.num_compute_wgs={self.num_compute_wgs!r} must be 1 or 2")
+
+    def band_tiles(self, spec: AttentionSpec) -> int:
+        """Key tiles in every block's band: the most any 64-position block meets, at most the
+        padded key length's tiles."""
+        nq, nk = -(-spec.q_len // WINDOW_ROWS), -(-spec.kv_len // self.block_kv)
+        r = band_kv_range(np.arange(nq), q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                          diagonal_offset=spec.diagonal_offset, block_q=WINDOW_ROWS, block_kv=self.block_kv)
+        return int(min(max(int(r.count.max(initial=1)), 1), nk))
+
+    def validate_for(self, spec: AttentionSpec) -> "WindowBlockSizes":
+        """self, checked against a call: NotImplementedError with the reason it does not fit."""
+        if (why := window_reason(spec, self)) is not None:
+            raise NotImplementedError(f"the window kernel cannot run this call: {why}")
+        return self
+
+    def smem_bytes(self, spec: AttentionSpec) -> int:
+        """Shared memory as Mosaic GPU counts it: the K and V band, two Q buffers (O staged
+        there when Dqk == Dv, else two O buffers) and two lse rows per warpgroup, P for the
+        interpreter excluded, 8 bytes per barrier."""
+        size, W, band = jnp.dtype(spec.dtype).itemsize, self.num_compute_wgs, self.band_tiles(spec) * self.block_kv
+
+        def aligned(n):
+            return -(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+        o = 0 if spec.qk_dim == spec.v_dim else aligned(W * 2 * WINDOW_ROWS * spec.v_dim * size)
+        return (aligned(band * spec.qk_dim * size) + aligned(band * spec.v_dim * size)
+                + aligned(W * 2 * WINDOW_ROWS * spec.qk_dim * size) + o + aligned(W * 2 * WINDOW_ROWS * 4)
+                + 8 * (2 + 2 * W))
+
+
+def window_reason(spec: AttentionSpec, bs: "WindowBlockSizes | None" = None) -> str | None:
+    """Why the window kernel (pallas_mosaic_gpu_sm90_window) does not take this call with
+    these tiles (None: it does)."""
+    bs = bs or WindowBlockSizes()
+    left, right = spec.window
+    if left < 0 or right < 0:
+        return f"window={spec.window}: the window kernel needs both sides bounded"
+    for name, used in (("dropout", spec.has_dropout), ("segments", spec.segments is not None),
+                       ("bias", spec.has_bias), ("custom positions", not spec.positions_canonical)):
+        if used:
+            return f"{name}: the window kernel runs band masks only"
+    if (band := bs.band_tiles(spec) * bs.block_kv) > WINDOW_MAX_BAND:
+        return (f"window={spec.window}: the keys of 64 queries span {band} > {WINDOW_MAX_BAND} "
+                f"(block_kv={bs.block_kv})")
+    if spec.group_size % bs.num_compute_wgs:
+        return (f"{spec.group_size} query heads per kv head is not a multiple of "
+                f"num_compute_wgs={bs.num_compute_wgs}")
+    if (smem := bs.smem_bytes(spec)) > SMEM_BYTES:
+        return f"needs {smem} bytes of shared memory, at most {SMEM_BYTES}"
+    return None
 
 
 # -- what the kernels run ----------------------------------------------------------------------
@@ -407,7 +484,7 @@ def load_table(path: str = str(CONFIGS_PATH)) -> dict:
             raise ValueError(f"entries[{i}].device={entry['device']!r} must be one of {sorted(table['devices'])}")
         if unknown := set(entry["key"]) - set(_KEYS):
             raise ValueError(f"entries[{i}].key has unknown fields {sorted(unknown)}; known: {_KEYS}")
-        BlockSizes(**entry["config"])
+        forward_config(entry["config"])
         ident = (entry["device"], json.dumps(entry["key"], sort_keys=True))
         if ident in seen:
             raise ValueError(f"entries[{i}] repeats the key {ident}")
@@ -425,18 +502,47 @@ def device_family(device_kind: str) -> str:
 
 
 def matching_entry(spec: AttentionSpec, device_kind: str) -> dict | None:
-    """The table entry for a call: of the entries whose key fields all match (absent = any),
-    the one with most fields, the first in the file among equals; None if none matches."""
+    """The table entry for a call: of the entries whose key fields all match (absent = any)
+    and whose kernel takes the call (a window-kernel entry does not take dropout, segments or
+    bias: those calls get the general kernel's entry or heuristic), the one with most fields,
+    the first in the file among equals; None if none matches."""
     family = device_family(device_kind)
-    found = [e for e in load_table()["entries"] if e["device"] == family and _matches(e["key"], spec)]
+
+    def takes(entry):
+        config = forward_config(entry["config"])
+        return not isinstance(config, WindowBlockSizes) or window_reason(spec, config) is None
+
+    found = [e for e in load_table()["entries"]
+             if e["device"] == family and _matches(e["key"], spec) and takes(e)]
     return max(found, key=lambda e: len(e["key"]), default=None)
 
 
-def heuristic(spec: AttentionSpec) -> BlockSizes:
-    """The configuration when no table entry matches (tokamax's and FA3's defaults):
+def forward_config(config: dict) -> "BlockSizes | WindowBlockSizes":
+    """A table entry's config: WindowBlockSizes for {"kernel": "window", ...}, else BlockSizes."""
+    config = dict(config)
+    kernel = config.pop("kernel", "general")
+    if kernel not in ("general", "window"):
+        raise ValueError(f"config kernel={kernel!r} must be 'general' or 'window'")
+    return WindowBlockSizes(**config) if kernel == "window" else BlockSizes(**config)
+
+
+def config_fields(bs: "BlockSizes | WindowBlockSizes") -> dict:
+    """The table's config dict of a configuration (`forward_config`'s inverse)."""
+    fields = dataclasses.asdict(bs)
+    return {"kernel": "window", **fields} if isinstance(bs, WindowBlockSizes) else fields
+
+
+def heuristic(spec: AttentionSpec) -> "BlockSizes | WindowBlockSizes":
+    """The configuration when no table entry matches: the window kernel where it takes the call
+    (two warpgroups when the group's heads split evenly, else one; untuned: research §4 #2),
+    else (tokamax's and FA3's defaults)
+    KV splits from `split_kv`;
     2 compute warpgroups of 64 rows (one of 64 rows when T <= 64); block_kv 128 for head dims
     up to 128, else 64, but the 128-byte minimum of the dtype (64 bf16, 128 fp8) for windows at
     most 256 keys wide; 2 stages, then 1, then halved block_kv while shared memory overflows."""
+    window = WindowBlockSizes(num_compute_wgs=2 if spec.group_size % 2 == 0 else 1)
+    if window_reason(spec, window) is None:
+        return window
     one = spec.q_len <= WGMMA_M
     step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
     kv = 128 if max(spec.qk_dim, spec.v_dim) <= 128 else 64
@@ -449,20 +555,22 @@ def heuristic(spec: AttentionSpec) -> BlockSizes:
             bs = BlockSizes(block_q=64 if one else 128, block_kv=kv, num_stages=stages,
                             num_compute_wgs=1 if one else 2)
             if bs.smem_bytes(spec) <= SMEM_BYTES:
-                return bs
+                return dataclasses.replace(bs, num_splits=split_kv(spec, bs))
         if kv // 2 < step or (kv // 2) % step:
             raise NotImplementedError(f"no tile fits {SMEM_BYTES} bytes of shared memory for "
                                       f"qk_dim={spec.qk_dim}, v_dim={spec.v_dim}, {spec.dtype}")
         kv //= 2
 
 
-def default_for(spec: AttentionSpec, device_kind: str) -> BlockSizes:
-    """The forward kernel's BlockSizes for a call on a device (jax's `device_kind`): the
+def default_for(spec: AttentionSpec, device_kind: str) -> "BlockSizes | WindowBlockSizes":
+    """The forward kernel's configuration for a call on a device (jax's `device_kind`): the
     matching entry of pallas_mosaic_gpu_configs.json (`matching_entry`), else `heuristic`;
-    validated against the call. The table's first entries are the research's untuned starting
+    validated against the call. A WindowBlockSizes runs the window kernel. The table's first entries are the research's untuned starting
     points for the anchor shapes (research/kernels.md §2.1, §2.5, §5)."""
     entry = matching_entry(spec, device_kind)
-    bs = heuristic(spec) if entry is None else BlockSizes(**entry["config"])
+    bs = heuristic(spec) if entry is None else forward_config(entry["config"])
+    if entry is not None and isinstance(bs, BlockSizes) and "num_splits" not in entry["config"]:
+        bs = dataclasses.replace(bs, num_splits=split_kv(spec, bs))
     return bs.validate_for(spec)
 
 
@@ -492,20 +600,27 @@ def split_kv(spec: AttentionSpec, block_sizes: BlockSizes, num_sms: int = 132) -
     return min(s for s in candidates if eff[s] >= 0.85 * best)
 
 
-def split_ranges(ranges: TileRanges, num_splits: int) -> TileRanges:
-    """Each tile's range cut into num_splits consecutive parts of ceil(count / num_splits)
-    tiles: arrays [num_splits, ...]; a part with nothing left is empty (all four 0), and each
-    part's FULL run is its share of the tile's."""
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits={num_splits!r} must be a positive int")
-    xp = _xp(*ranges)
-    chunk = -(-ranges.count // num_splits)
-    s = xp.arange(num_splits, dtype=np.int32).reshape((num_splits,) + (1,) * ranges.lo.ndim)
-    lo = xp.minimum(ranges.lo[None] + s * chunk[None], ranges.hi[None])
-    hi = xp.minimum(lo + chunk[None], ranges.hi[None])
-    f_lo = xp.clip(ranges.full_lo[None], lo, hi)
-    f_hi = xp.clip(ranges.full_hi[None], lo, hi)
+def split_part(ranges: TileRanges, split, num_splits: int) -> TileRanges:
+    """Part `split` (int, array or traced int32, broadcasting against the ranges) of each
+    tile's range cut into num_splits consecutive parts of ceil(count / num_splits) tiles; a
+    part with nothing left is empty (all four 0), and its FULL run is its share of the tile's.
+    In a kernel: the key tiles one split's CTA visits."""
+    xp = _xp(*ranges, split)
+    chunk = (ranges.count + (num_splits - 1)) // num_splits
+    lo = xp.minimum(ranges.lo + split * chunk, ranges.hi)
+    hi = xp.minimum(lo + chunk, ranges.hi)
+    f_lo = xp.clip(ranges.full_lo, lo, hi)
+    f_hi = xp.clip(ranges.full_hi, lo, hi)
     seen, has_full = lo < hi, f_lo < f_hi
     lo, hi = xp.where(seen, lo, 0), xp.where(seen, hi, 0)
     f_lo, f_hi = xp.where(has_full, f_lo, lo), xp.where(has_full, f_hi, lo)
-    return TileRanges(*(x.astype(np.int32) for x in (lo, f_lo, f_hi, hi)))
+    return TileRanges(*(xp.asarray(x).astype(np.int32) for x in (lo, f_lo, f_hi, hi)))
+
+
+def split_ranges(ranges: TileRanges, num_splits: int) -> TileRanges:
+    """Each tile's range cut into num_splits parts (`split_part`): arrays [num_splits, ...]."""
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r} must be a positive int")
+    xp = _xp(*ranges)
+    s = xp.arange(num_splits, dtype=np.int32).reshape((num_splits,) + (1,) * ranges.lo.ndim)
+    return split_part(TileRanges(*(x[None] for x in ranges)), s, num_splits)

@@ -72,6 +72,12 @@ sends each key tile's bias rows with V, one TMA per compute warpgroup into [stag
 block_kv] (the ready barrier takes W arrivals); the logit is scale q.k + bias, before the soft
 cap (reference.py), so the scale is not folded into exp2 then.
 
+KV splits (`BlockSizes.num_splits` > 1, flash-decoding for calls with too few query tiles to
+fill the chip): the grid's query axis runs (tile, split) pairs; CTA (tile, s) visits part s
+of the tile's key range (`split_part`, traced) and writes its normalised O (in the input
+dtype) and lse into output slot s; `merge_splits` combines them in XLA by their lse weights.
+Each split runs the vanilla softmax, the sink joining at the merge as one more term.
+
 Implemented: causal and (left, right) windows in both alignments (top-left, bottom-right),
 any scale, GQA/MQA, Dqk != Dv, bf16/f16 inputs with float32 accumulation, lse [B, N, T] in
 the natural-log convention of reference.py, sequence tails (wrapper padding), the logit soft
@@ -101,6 +107,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -118,7 +125,7 @@ from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (KERNEL_DTYPES, SMEM_ALIGNMENT, SMEM_BYTES,
                                                             SWIZZLE_BYTES, WARPGROUP, BlockSizes,
-                                                            band_kv_range, check_spec)
+                                                            band_kv_range, check_spec, split_part)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
 
 LOG2E = math.log2(math.e)
@@ -287,7 +294,12 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     o_smem = q_smem if o_in_q else o_smem
     dtype = jnp.dtype(spec.dtype)
     num_q_tiles = q_ref.shape[1] // bs.block_q
+    splits = bs.num_splits
     q_tile = lax.axis_index("q")
+    if splits > 1:  # KV splits: CTA (tile, split) visits its part of the tile's key range
+        split = lax.rem(q_tile, jnp.int32(splits))
+        q_tile = lax.div(q_tile, jnp.int32(splits))
+        out_ref, lse_ref = out_ref.at[split], lse_ref.at[split]
     if bs.lpt_order:  # the longest (causal: last) query tiles of each head first
         q_tile = num_q_tiles - 1 - q_tile
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
@@ -299,6 +311,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                           diagonal_offset=spec.diagonal_offset, block_q=bs.block_q, block_kv=bkv)
     else:  # segments: the block map's ranges of this batch row
         r = tokens.load_ranges(tok_refs[0], batch, q_tile)
+    if splits > 1:
+        r = split_part(r, split, splits)
     lo, full_lo, full_hi, hi = r.lo, r.full_lo, r.full_hi, r.hi
 
     def slot_of(step):
@@ -707,13 +721,17 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
     [B, N, T] from `dropout_row_hash` when spec.dropout_rate > 0, else None. tables: the
     call's `pallas_mosaic_gpu_tokens.TokenTables` when it has segments or explicit positions
     (`tokens.from_inputs`), else None. bias: [B|1, N|1, T, S] (spec.bias_shape), added to the
-    scaled logits; the kernel reads it in q's dtype."""
+    scaled logits; the kernel reads it in q's dtype. With block_sizes.num_splits > 1 each query
+    tile's key range is split over that many CTAs, whose outputs `merge_splits` combines."""
     bs = BlockSizes() if block_sizes is None else block_sizes
     check(spec, bs)
     check_dropout_hash(spec, dropout_hash)
     check_tables(spec, tables)
     check_bias(spec, bias)
     sink_rows = _sink_rows(spec, sink, bs.rows_per_wg)
+    splits, full_spec = bs.num_splits, spec
+    if splits > 1:  # each split runs vanilla; the sink joins when they are merged
+        spec, sink_rows = dataclasses.replace(spec, softmax="vanilla"), None
     if dropout_hash is not None:
         dropout_hash = _pad_to(dropout_hash, 2, bs.block_q)  # padded rows are dropped anyway
     # Tails: zero-pad T and S to the block multiples (padded keys are masked in the kernel),
@@ -771,12 +789,13 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
 
         pl.run_scoped(body, *[a for a in smem + barriers if a is not None], collective_axes="wg")
 
-    out_type = (jax.ShapeDtypeStruct((spec.batch, Tp, spec.num_heads, spec.v_dim), dtype),
-                jax.ShapeDtypeStruct((spec.batch, spec.num_heads, Tp), jnp.float32))
+    lead = (splits,) if splits > 1 else ()  # one normalised output and lse per split
+    out_type = (jax.ShapeDtypeStruct(lead + (spec.batch, Tp, spec.num_heads, spec.v_dim), dtype),
+                jax.ShapeDtypeStruct(lead + (spec.batch, spec.num_heads, Tp), jnp.float32))
     inputs = (q, k, v) + tuple(x for x in optional if x is not None) + tok_inputs
     out, lse = plgpu.kernel(
         entry, out_type=out_type,
-        grid=(Tp // bs.block_q, spec.num_heads, spec.batch),
+        grid=(Tp // bs.block_q * splits, spec.num_heads, spec.batch),
         grid_names=("q", "heads", "batch"),
         num_threads=W + 1, thread_name="wg",
         # No automatic barriers: the kernel orders its own SMEM accesses (commit_smem before
@@ -788,7 +807,28 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
         interpret=(plgpu.InterpretGPUParams(inline_mgpu="_hack_model_inline_mgpu_tokamax")
                    if interpret else None),
     )(*inputs)
+    if splits > 1:
+        out, lse = merge_splits(out, lse, full_spec, sink)
     return out[:, :spec.q_len], lse[:, :, :spec.q_len]
+
+
+def merge_splits(out, lse, spec: AttentionSpec, sink=None):
+    """The KV splits' normalised outputs [splits, B, T, N, Dv] and lse [splits, B, N, T]
+    (vanilla softmax each) -> (out, lse) of the whole range, with the sink (spec.softmax) as
+    one more term without a value: lse = log(sum_s exp(lse_s) + exp(z)), out = sum_s
+    exp(lse_s - lse) out_s in float32. A split that saw no key has lse_s = EMPTY_ROW_LSE and
+    weight exp(-1e30 - lse) = 0; a row no split saw keeps out 0 and lse EMPTY_ROW_LSE (or z)."""
+    terms = lse
+    if spec.softmax != "vanilla":
+        z = jnp.zeros((spec.num_heads,), jnp.float32) if sink is None else sink.astype(jnp.float32)
+        terms = jnp.concatenate([lse, jnp.broadcast_to(z[None, None, :, None], (1,) + lse.shape[1:])])
+    m = terms.max(axis=0)
+    total = m + jnp.log(jnp.exp(terms - m[None]).sum(axis=0))
+    if spec.softmax == "vanilla":
+        total = jnp.where(m <= EMPTY_ROW_LSE, EMPTY_ROW_LSE, total)
+    w = jnp.exp(lse - total[None])  # [splits, B, N, T]
+    merged = jnp.einsum("sbnt,sbtnd->btnd", w, out.astype(jnp.float32))
+    return merged.astype(out.dtype), total
 
 
 def forward(q: Float[Array, "B T N Dqk"], k: Float[Array, "B S K Dqk"],

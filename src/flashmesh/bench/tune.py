@@ -19,7 +19,6 @@ it checks the plumbing; its times say nothing about a GPU and it writes no table
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -57,8 +56,9 @@ def spec_of(shape: Shape, dtype: str = "bfloat16"):
     return found[0]
 
 
-def candidates(spec, limit: int | None = None) -> list[common.BlockSizes]:
-    """Valid BlockSizes from the SEARCH grid for this call, the config it gets today first."""
+def candidates(spec, limit: int | None = None) -> list:
+    """Valid configurations for this call, the one it gets today first: BlockSizes from the
+    SEARCH grid, and where the window kernel takes the call its WindowBlockSizes."""
     found, seen = [], set()
     try:
         default = common.default_for(spec, jax.devices()[0].device_kind)
@@ -66,9 +66,11 @@ def candidates(spec, limit: int | None = None) -> list[common.BlockSizes]:
         default = common.heuristic(spec)
     grid = itertools.product(SEARCH["tiles"], SEARCH["block_kv"], SEARCH["num_stages"],
                              SEARCH["intra_wg_overlap"])
-    for bs in itertools.chain([default], (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
-                                                             num_stages=st, intra_wg_overlap=ov)
-                                          for (bq, w), kv, st, ov in grid)):
+    windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w)
+               for kv, w in itertools.product((64, 128), (2, 1)))
+    for bs in itertools.chain([default], windows, (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
+                                                                      num_stages=st, intra_wg_overlap=ov)
+                                                   for (bq, w), kv, st, ov in grid)):
         try:
             bs.validate_for(spec)
         except (ValueError, NotImplementedError):
@@ -98,8 +100,8 @@ def _rel(a, b) -> float:
 def tune_shape(shape: Shape, config: runner.RunConfig, *, interpret: bool = False, limit: int | None = None,
                advance=lambda text: None) -> dict:
     """Every candidate of one shape: {"shape", "key", "rows": [...], "best": config or None}."""
-    from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
     from flashmesh.attention import chunked
+    from flashmesh.attention import pallas_mosaic_gpu
 
     spec = spec_of(shape)
     q, k, v, _, _ = runner.make_inputs(shape, "bf16", config.seed)
@@ -107,8 +109,8 @@ def tune_shape(shape: Shape, config: runner.RunConfig, *, interpret: bool = Fals
     rows, ready = [], []
     for bs in candidates(spec, limit):
         advance(f"{shape.name}: {bs}")
-        row = dict(config=dataclasses.asdict(bs))
-        fn = lambda q, k, v, bs=bs: sm90.forward_spec(q, k, v, spec, block_sizes=bs, interpret=interpret)[0]
+        row = dict(config=common.config_fields(bs))
+        fn = lambda q, k, v, bs=bs: pallas_mosaic_gpu.forward(q, k, v, spec, bs, interpret=interpret)[0]
         try:
             # The interpreter runs eagerly: under jit its warpgroup threads wait on XLA's
             # callback threads, which a 2-core CPU may not have to spare (a deadlock).
@@ -152,13 +154,18 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
     for res in results:
         if res["best"] is None:
             continue
-        config = {f: res["best"][f] for f in ("block_q", "block_kv", "num_stages", "num_compute_wgs",
-                                              "intra_wg_overlap")}
+        best = res["best"]
+        fields = (("kernel", "block_kv", "num_compute_wgs") if best.get("kernel") == "window" else
+                  ("block_q", "block_kv", "num_stages", "num_compute_wgs", "intra_wg_overlap"))
+        config = {f: best[f] for f in fields}
         entry = next((e for e in entries if e.get("anchor") == res["shape"]), None) or next(
             (e for e in entries if e["device"] == "sm90" and e["key"] == res["key"]), None)
         if entry is None:
             entry = dict(anchor=res["shape"], device="sm90", key=res["key"])
             entries.append(entry)
+        best_row = next((r for r in res["rows"] if r.get("config") == best), {})
+        if best_row.get("compile_s") is not None:  # what explain reports as its compile time
+            entry["compile_s"] = round(best_row["compile_s"], 3)
         entry.update(tuned=True, config=config, source=(
             f"flashmesh tune {meta['date']} on {meta['device']} (commit {meta['commit']}): "
             f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates"))

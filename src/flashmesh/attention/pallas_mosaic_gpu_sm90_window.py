@@ -1,0 +1,198 @@
+"""Hopper (sm90) forward kernel for narrow windows in Pallas Mosaic GPU: the K/V band of a
+block of 64 query positions stays in shared memory while the query heads that share it stream
+through (research/kernels.md §4 #2).
+
+Shape legend: B batch, T query length, S key length, N query heads, K key/value heads,
+G = N // K query heads per key/value head, Dqk / Dv head dims; W compute warpgroups.
+
+Where it applies (`pallas_mosaic_gpu_common.window_reason`, with the configuration
+`WindowBlockSizes`): a window bounded on both sides (causal counts: right = 0)
+whose keys for 64 consecutive queries span at most 256 keys (e.g. window (128, 0): 192
+keys, three 64-key tiles), so S = Q Kᵀ of the whole band is one WGMMA (N <= 256) and the
+softmax is exact in one pass (no online rescale).
+
+Structure: a grid over (64-position query block, kv head, batch); W compute warpgroups, no
+memory warpgroup. Warpgroup 0 loads the band's K and V once (one TMA each, nb * block_kv rows
+from tile `lo`, clamped so the band stays inside the padded keys). Warpgroup w then takes the
+group's query heads w, w + W, ...: per head it prefetches the next head's Q into its other
+buffer (double buffering), runs S = Q Kᵀ (WGMMA), masks the band element-wise (`band_mask`),
+takes the exact softmax in exp2 (scale folded in), O = P V (P from registers), and stores O
+from its Q buffer and lse by TMA while the next head computes. K/V traffic from L2 is divided
+by G against the general kernel, and each query block meets ceil((63 + left + right) /
+block_kv) + 1 tiles instead of the 128-row tile's.
+
+Implemented: causal and (left, right) windows in both alignments, any scale, GQA/MQA,
+Dqk != Dv, bf16/f16, tails (wrapper padding), the soft cap, off-by-one and learnable sinks
+(the sink logit is a scalar read from global memory), lse in reference.py's convention, rows
+that see no key (out 0, lse EMPTY_ROW_LSE or the sink). Not here (the general kernel runs
+them): unbounded windows, dropout, segments, bias. The backward is the general one
+(pallas_mosaic_gpu_sm90_bwd), which reads only (out, lse).
+
+Interpret mode: P·V goes through SMEM into a fresh accumulator (`sm90._pv_from_smem`), as in
+the general kernel.
+
+Example:
+    >>> spec = sm90.spec_for(q, k, v, scale=0.125, window=(128, 0))
+    >>> out, lse = forward_spec(q, k, v, spec, interpret=True)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+from flashmesh.attention.pallas_mosaic_gpu_common import (WINDOW_ROWS, WindowBlockSizes,
+                                                            band_kv_range, check_spec, window_reason)
+from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionSpec
+
+ROWS = WINDOW_ROWS
+
+
+def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_smem, o_smem,
+            lse_smem, p_smem, kv_ready, q_ready, *, spec: AttentionSpec, bs: WindowBlockSizes,
+            nb: int, interpret: bool):
+    # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv], sink_ref [N] f32
+    # (the sink logit) or None; out_ref [B, Tp, N, Dv], lse_ref [B, N, Tp] f32.
+    # k_smem [band, Dqk], v_smem [band, Dv]; q_smem [W, 2, 64, Dqk]; o_smem [W, 2, 64, Dv] or
+    # None (O in the Q buffer); lse_smem [W, 2, 64] f32; p_smem [W, 64, band] or None.
+    W, bkv, G = bs.num_compute_wgs, bs.block_kv, spec.group_size
+    band, dtype = nb * bkv, jnp.dtype(spec.dtype)
+    block, kv_head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    nk = k_ref.shape[1] // bkv
+    r = band_kv_range(block, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                      diagonal_offset=spec.diagonal_offset, block_q=ROWS, block_kv=bkv)
+    lo = jnp.clip(r.lo, 0, nk - nb)  # the band: tiles lo .. lo + nb - 1, inside the padding
+    row0 = block * ROWS
+    o_smem = q_smem if o_smem is None else o_smem
+    heads = G // W  # per warpgroup: group heads wg, wg + W, ...
+
+    @pl.when(wg == 0)
+    def _():
+        keys = (batch, pl.ds(lo * bkv, band), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, kv_ready.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, kv_ready.at[1])
+
+    def head_of(t):
+        return kv_head * G + wg + t * W
+
+    def load_q(t, buf):
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, ROWS), head_of(t)], q_smem.at[wg, buf],
+                                q_ready.at[wg * 2 + buf])
+
+    load_q(0, 0)
+    plgpu.barrier_wait(kv_ready.at[0])
+    plgpu.barrier_wait(kv_ready.at[1])
+    pv = sm90._pv_from_smem if interpret else sm90._pv_from_registers
+    scale2 = spec.scale * sm90.LOG2E
+    cap = spec.logits_soft_cap
+    i = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 0, layout=plgpu.Layout.WGMMA)
+    j = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 1, layout=plgpu.Layout.WGMMA)
+    kv_tail = spec.kv_len % bkv != 0 or nb * bkv > spec.kv_len
+
+    def one_head(t, carry):
+        buf = lax.rem(t, 2)
+        head = head_of(t)
+
+        @pl.when(t + 1 < heads)  # the next head's Q into the other buffer, once its O is out
+        def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            load_q(t + 1, 1 - buf)
+
+        plgpu.barrier_wait(q_ready.at[wg * 2 + buf])
+
+        def qk(s_ref):
+            plgpu.wgmma(s_ref, q_smem.at[wg, buf], k_smem.transpose((1, 0)))
+            return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
+        if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
+            e = jnp.exp2(s * (2.0 * sm90.LOG2E * spec.scale / cap))
+            s = (1.0 - 2.0 / (e + 1.0)) * (cap * sm90.LOG2E)
+        else:
+            s = s * scale2
+        s = sm90.band_mask(s, i + (row0 + spec.diagonal_offset), j + lo * bkv, spec, kv_tail)
+        m = s.max(axis=1)
+        row = plgpu.Layout.WGMMA.reduce(1)
+        if spec.softmax != "vanilla":  # the sink is one more logit z with no value
+            z = 0.0 if sink_ref is None else sink_ref[head] * sm90.LOG2E
+            z = plgpu.layout_cast(jnp.full((ROWS,), z, jnp.float32), row)
+            m = jnp.maximum(m, z)
+        m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a row with no key: exact zeros, no NaN
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+        l = p.sum(axis=1)
+        if spec.softmax != "vanilla":
+            l = l + jnp.exp2(z - m_safe)
+        acc = plgpu.layout_cast(jnp.zeros((ROWS, spec.v_dim), jnp.float32), plgpu.Layout.WGMMA)
+        p_wg = None if p_smem is None else p_smem.at[wg]
+        acc = pv(acc, p.astype(dtype), v_smem, p_wg, lambda: None)
+        seen = l > 0.0
+        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        o = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        lse = jnp.where(seen, (m_safe + jnp.log(jnp.where(seen, l, 1.0)) * sm90.LOG2E) * sm90.LN2,
+                        EMPTY_ROW_LSE)
+        plgpu.commit_smem()  # every warp is past its reads of Q before O overwrites it
+        o_smem.at[wg, buf][...] = o
+        lse_smem.at[wg, buf][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg, buf], out_ref.at[batch, pl.ds(row0, ROWS), head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg, buf], lse_ref.at[batch, head, pl.ds(row0, ROWS)])
+        return carry
+
+    lax.fori_loop(0, heads, one_head, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: WindowBlockSizes | None = None,
+                 interpret: bool = False):
+    """(out [B, T, N, Dv], lse [B, N, T] float32) of a band-mask call the window kernel takes
+    (`window_reason` says why not, as NotImplementedError); sink: float32 [N] for "learnable"."""
+    bs = block_sizes or WindowBlockSizes()
+    check_spec(spec, "window forward")
+    if (why := window_reason(spec, bs)) is not None:
+        raise NotImplementedError(f"pallas_mosaic_gpu_sm90_window: {why}")
+    if spec.softmax == "learnable":
+        if sink is None or sink.shape != (spec.num_heads,):
+            raise ValueError(f"softmax='learnable' needs sink of shape ({spec.num_heads},), got "
+                             f"{None if sink is None else sink.shape}")
+        sink = sink.astype(jnp.float32)
+    elif sink is not None:
+        raise ValueError(f"sink must be None for softmax={spec.softmax!r}")
+    nb, W, dtype = bs.band_tiles(spec), bs.num_compute_wgs, jnp.dtype(spec.dtype)
+    q = sm90._pad_to(q, 1, ROWS)
+    k, v = sm90._pad_to(k, 1, bs.block_kv), sm90._pad_to(v, 1, bs.block_kv)
+    band, Tp = nb * bs.block_kv, q.shape[1]
+    scratch = [sm90._smem((band, spec.qk_dim), dtype), sm90._smem((band, spec.v_dim), dtype),
+               sm90._smem((W, 2, ROWS, spec.qk_dim), dtype),
+               None if spec.qk_dim == spec.v_dim else sm90._smem((W, 2, ROWS, spec.v_dim), dtype),
+               plgpu.SMEM((W, 2, ROWS), jnp.float32),
+               sm90._smem((W, ROWS, band), dtype) if interpret else None,
+               plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2 * W)]
+
+    def entry(q_ref, k_ref, v_ref, *refs):
+        sink_ref = refs[0] if sink is not None else None
+        out_ref, lse_ref = refs[-2:]
+
+        def body(*allocated):
+            it = iter(allocated)
+            args = [None if a is None else next(it) for a in scratch]
+            _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, *args, spec=spec, bs=bs,
+                    nb=nb, interpret=interpret)
+
+        pl.run_scoped(body, *[a for a in scratch if a is not None], collective_axes="wg")
+
+    out_type = (jax.ShapeDtypeStruct((spec.batch, Tp, spec.num_heads, spec.v_dim), dtype),
+                jax.ShapeDtypeStruct((spec.batch, spec.num_heads, Tp), jnp.float32))
+    inputs = (q, k, v) + ((sink,) if sink is not None else ())
+    out, lse = plgpu.kernel(
+        entry, out_type=out_type, grid=(Tp // ROWS, spec.num_kv_heads, spec.batch),
+        grid_names=("q", "heads", "batch"), num_threads=W, thread_name="wg",
+        # No reduction scratch: the row max and sum stay within a warp (WGMMA layout).
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*inputs)
+    return out[:, :spec.q_len], lse[:, :, :spec.q_len]

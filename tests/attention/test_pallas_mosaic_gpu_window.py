@@ -1,0 +1,168 @@
+"""The window kernel (pallas_mosaic_gpu_sm90_window) against the float32 reference, and where
+it is chosen.
+
+On CPU it runs in Mosaic GPU's interpreter (tiny shapes); the `gpu`-marked copy runs the same
+cases compiled, plus the seed shape's heads at full length. Without a GPU the compiled path is
+lowered for cuda and Mosaic's shared-memory count must equal `WindowBlockSizes.smem_bytes`.
+
+Cases: causal window (128, 0) with GQA 4:1 shared by two warpgroups and a tail (T = 200),
+a two-sided window with T != S and the learnable sink (one warpgroup, MQA),
+the off-by-one sink with the soft cap and a 4-tile band, and bottom-right T > S with a
+narrow window, where whole query blocks see no key (out 0, lse EMPTY_ROW_LSE). Gradients go
+through the registered backend (window forward, general backward) once.
+
+Tolerance: the forward tests' FlashAttention rule (semantics.assert_fa_rule); lse 1e-4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashmesh.attention import pallas_mosaic_gpu as pmg
+from flashmesh.attention import pallas_mosaic_gpu_common as common
+from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+from flashmesh.attention import pallas_mosaic_gpu_sm90_window as window
+from flashmesh.attention.api import normalize
+from flashmesh.attention.pallas_mosaic_gpu_common import WindowBlockSizes
+from flashmesh.attention.spec import EMPTY_ROW_LSE
+from mosaic_testing import interpreter, rel_l2  # noqa: F401  (interpreter: a fixture)
+from semantics import assert_close, assert_fa_rule
+from test_pallas_mosaic_gpu import Case, make_inputs, make_sink, plain_low_precision, reference, visible
+
+CASES = [
+    (Case("causal_w128_gqa_two_wgs_tail", T=200, S=200, N=4, K=1, window=(128, 0)),
+     WindowBlockSizes()),
+    (Case("two_sided_t_ne_s_learnable_mqa", T=150, S=230, N=1, K=1, window=(30, 20),
+          softmax="learnable"), WindowBlockSizes(num_compute_wgs=1)),
+    (Case("off_by_one_cap_four_tiles", T=192, S=192, N=2, K=1, window=(100, 10), cap=2.0,
+          softmax="off_by_one"), WindowBlockSizes()),
+    (Case("empty_blocks", T=256, S=64, N=2, K=2, window=(8, 0), bottom_right=True),
+     WindowBlockSizes(num_compute_wgs=1)),
+]
+GPU_CASES = [
+    (Case("seed_heads_w128", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128, window=(128, 0)),
+     WindowBlockSizes()),
+]
+
+
+def check_case(case: Case, bs: WindowBlockSizes, *, interpret: bool):
+    q, k, v = make_inputs(case)
+    scale = 1.0 / np.sqrt(case.Dqk)
+    sink = make_sink(case)
+    spec = sm90.spec_for(q, k, v, scale=scale, window=case.window, bottom_right=case.bottom_right,
+                         logits_soft_cap=case.cap, softmax=case.softmax)
+    assert common.window_reason(spec, bs) is None
+    out, lse = window.forward_spec(q, k, v, spec, sink=sink, block_sizes=bs, interpret=interpret)
+    ref_out, ref_lse = reference(case, q, k, v, scale, sink)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype and lse.dtype == jnp.float32
+    assert_fa_rule(f"{case.name} out", out.astype(jnp.float32), ref_out,
+                   plain_low_precision(case, q, k, v, scale, sink).astype(jnp.float32))
+    assert_close(f"{case.name} lse", lse, ref_lse, rtol=0.0, atol=1e-4)
+    empty = ~visible(case).any(axis=1)
+    if empty.any():
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[:, empty], 0.0)
+        want = {"vanilla": EMPTY_ROW_LSE, "off_by_one": 0.0}.get(case.softmax)
+        if want is not None:
+            np.testing.assert_array_equal(np.asarray(lse)[:, :, empty], np.float32(want))
+    assert case.name != "empty_blocks" or empty.sum() == 192  # whole blocks see nothing
+
+
+@pytest.mark.parametrize("case, bs", CASES, ids=lambda c: getattr(c, "name", ""))
+def test_window_interpret(case, bs, interpreter):
+    check_case(case, bs, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, bs", CASES + GPU_CASES, ids=lambda c: getattr(c, "name", ""))
+def test_window_gpu(case, bs):
+    check_case(case, bs, interpret=False)
+
+
+def test_gradients_through_the_backend_interpret(interpreter):
+    """The registered custom VJP with the window forward and the general backward."""
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+    from flashmesh.attention import reference as ref_backend
+
+    case = Case("grad", T=130, S=130, N=2, K=1, window=(64, 0))
+    q, k, v = make_inputs(case)
+    g = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
+    inputs, spec = normalize(q, k, v, mask="causal", window=(64, 0))
+    blocks = (WindowBlockSizes(), bwd.BackwardBlockSizes(num_stages=1))
+
+    def loss(f, q, k, v):
+        i, s = normalize(q, k, v, mask="causal", window=(64, 0))
+        return jnp.sum(f(i, s)[0].astype(jnp.float32) * g)
+
+    got = jax.grad(lambda *a: loss(lambda i, s: pmg.attention_with(i, s, *blocks, interpret=True), *a),
+                   argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: loss(ref_backend.attention, *a), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        rel_l2(name, a, b, 1e-2)
+
+
+@pytest.mark.parametrize("T, N, K, D, Dv, win, softmax, cap", [
+    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None),
+    (1000, 4, 2, 128, 64, (100, 30), "learnable", 5.0),
+    (512, 2, 1, 64, 64, (64, 64), "off_by_one", None),
+])
+def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap):
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
+    q = jax.ShapeDtypeStruct((2, T, N, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, T, K, D), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, T, K, Dv), jnp.bfloat16)
+    sink = jax.ShapeDtypeStruct((N,), jnp.float32) if softmax == "learnable" else None
+    spec = sm90.spec_for(q, k, v, scale=0.1, window=win, softmax=softmax, logits_soft_cap=cap)
+    bs = WindowBlockSizes()
+
+    def lower():
+        f = jax.jit(lambda q, k, v, s: window.forward_spec(q, k, v, spec, sink=s, block_sizes=bs))
+        f.trace(q, k, v, sink).lower(lowering_platforms=("cuda",))
+
+    with mosaic_core.artificial_shared_memory_limit(1), pytest.raises(ValueError) as e:
+        lower()
+    assert f"smem_bytes={bs.smem_bytes(spec)} " in str(e.value), str(e.value)
+    lower()
+
+
+def _spec(T=4096, N=128, K=8, D=128, **kw):
+    q = jnp.zeros((1, T, N, D), jnp.bfloat16)
+    kv = jnp.zeros((1, T, K, D), jnp.bfloat16)
+    return normalize(q, kv, kv, **kw)[1]
+
+
+def test_where_it_applies_and_is_chosen():
+    seed = _spec(mask="causal", window=(128, 0))
+    bs = WindowBlockSizes()
+    assert bs.band_tiles(seed) == 3 and common.window_reason(seed, bs) is None
+    assert WindowBlockSizes(block_kv=128).band_tiles(seed) == 2
+    # the seed shape's table entry names the window kernel; explain says so
+    chosen = pmg.config(seed, "NVIDIA H200")[0]
+    assert chosen == bs, chosen
+    assert "window kernel, a band of 3x64 keys" in pmg.describe(seed, "NVIDIA H200")
+    # and where it does not apply, why (the general kernel runs those)
+    for spec, words in [
+        (_spec(mask="causal"), "both sides bounded"),
+        (_spec(mask="causal", window=(300, 0)), "span 384 > 256"),
+        (_spec(mask="causal", window=(128, 0), dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+         "dropout"),
+        (_spec(N=3, K=1, mask="causal", window=(64, 0)), "not a multiple of num_compute_wgs=2"),
+    ]:
+        assert words in common.window_reason(spec, bs), (words, common.window_reason(spec, bs))
+        assert isinstance(pmg.config(spec, "NVIDIA H200")[0], common.BlockSizes)
+    assert common.heuristic(_spec(N=3, K=1, mask="causal", window=(64, 0))) == WindowBlockSizes(
+        num_compute_wgs=1)
+    with pytest.raises(NotImplementedError, match="both sides bounded"):
+        bs.validate_for(_spec(mask="causal"))
+    with pytest.raises(ValueError, match="block_kv=96 must be 64 or 128"):
+        WindowBlockSizes(block_kv=96)
+    fields = common.config_fields(bs)
+    assert fields["kernel"] == "window" and common.forward_config(fields) == bs
+    assert dataclasses.asdict(common.forward_config({"block_q": 128})) == dataclasses.asdict(
+        common.BlockSizes(block_q=128))
