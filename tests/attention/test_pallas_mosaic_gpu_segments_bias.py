@@ -64,13 +64,13 @@ def ids_of(runs) -> np.ndarray:
     return np.array([np.concatenate([np.full(n, i, np.int32) for i, n in row]) for row in runs])
 
 
-PACKED = (((1, 70), (2, 80), (3, 40), (0, 10)), ((1, 130), (2, 70)))
+PACKED = (((1, 50), (2, 40), (3, 36), (0, 10)), ((1, 90), (2, 46)))  # T = 136
 
 
 CASES = [
-    # Row 0: three documents (boundaries at 70 and 150, inside tiles) then 10 padding tokens;
-    # row 1: two documents. A window of 50 on top of causal reads positions.
-    Case("packed_window_gqa_tails_learnable_bias", q_ids=PACKED, window=(50, 0),
+    # Row 0: three documents (boundaries at 50 and 90, inside tiles) then 10 padding tokens;
+    # row 1: two documents. A window of 40 on top of causal reads positions.
+    Case("packed_window_gqa_tails_learnable_bias", q_ids=PACKED, window=(40, 0),
          softmax="learnable", bias=(2, 1)),
     # Cross attention with padding: 100 / 130 valid queries of 130, 190 / 60 valid keys of 190.
     Case("padding_cross_no_window_dropout", mask="none", dropout_rate=0.2, seqlens=True,
