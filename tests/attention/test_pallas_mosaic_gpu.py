@@ -87,6 +87,10 @@ CASES = [
     # tile 0 sees nothing (bottom-right T > S).
     Case("kv_splits_decode_learnable", T=64, S=700, N=2, K=1, window=(-1, 0), bottom_right=True,
          softmax="learnable", blocks=dataclasses.replace(ONE_WG, num_splits=3)),
+    # Head dims off the 128-byte swizzle: 96 (64-byte rows), 80 / 32 (32-byte rows).
+    Case("d96_causal_gqa_64b_swizzle", T=128, S=192, N=2, K=1, Dqk=96, Dv=96, window=(-1, 0),
+         blocks=ONE_WG),
+    Case("d80_dv32_32b_swizzle", N=1, K=1, Dqk=80, Dv=32, blocks=ONE_WG),
     Case("kv_splits_empty_parts_off_by_one", T=128, S=64, N=1, K=1, window=(-1, 0),
          bottom_right=True, softmax="off_by_one", blocks=dataclasses.replace(ONE_WG, num_splits=4)),
 ]
@@ -213,6 +217,8 @@ LOWERINGS = [
     (512, 256, 256, (-1, 0), "off_by_one", None, BlockSizes(block_kv=64, num_stages=1,
                                                             block_q=64, num_compute_wgs=1)),
     (1024, 128, 128, (-1, 0), "learnable", None, BlockSizes(num_splits=4)),  # KV splits
+    (1000, 96, 96, (-1, 0), "vanilla", None, BlockSizes(block_kv=64)),  # 64-byte swizzle
+    (1000, 80, 32, (-1, -1), "vanilla", None, BlockSizes(block_kv=64)),  # 32-byte swizzle
 ]
 
 
@@ -248,8 +254,8 @@ def test_refuses_features_and_bad_sinks():
         sm90.forward(q, kv, kv, scale=0.125, sink=jnp.zeros((2,)), interpret=True)
     with pytest.raises(ValueError, match="logits_soft_cap=-1.0 must be positive"):
         sm90.forward(q, kv, kv, scale=0.125, logits_soft_cap=-1.0, interpret=True)
-    with pytest.raises(NotImplementedError, match="qk_dim=32"):
-        sm90.forward(q[:, :128, :, :32], kv[..., :32], kv, scale=0.125, interpret=True)
+    with pytest.raises(NotImplementedError, match="qk_dim=24: must be a multiple of 16"):
+        sm90.forward(q[:, :128, :, :24], kv[..., :24], kv, scale=0.125, interpret=True)
     with pytest.raises(NotImplementedError, match="dtype=float32"):
         f32 = kv.astype(jnp.float32)
         sm90.forward(q[:, :128].astype(jnp.float32), f32, f32, scale=0.125, interpret=True)

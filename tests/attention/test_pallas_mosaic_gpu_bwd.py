@@ -78,6 +78,9 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
          softmax="learnable", blocks=ONE_WG),
     Case("mla_f16_single_stage", N=1, K=1, Dqk=128, Dv=64, window=(-1, 0), dtype="float16",
          blocks=dataclasses.replace(ONE_WG, num_stages=1), races=True),
+    # a head dim off the 128-byte swizzle (64-byte rows) with GQA
+    Case("d96_causal_gqa_64b_swizzle", T=128, S=192, N=2, K=1, Dqk=96, Dv=96, window=(-1, 0),
+         blocks=ONE_WG),
 ]
 GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps
     Case("gpu_d128_causal_gqa", T=1024, S=1024, N=8, K=2, Dqk=128, Dv=128, window=(-1, 0),
@@ -165,6 +168,8 @@ def test_backward_gpu(case):
 @pytest.mark.parametrize("case", [
     Case("d128_gqa_window_cap_learnable", T=512, S=512, N=4, K=2, Dqk=128, Dv=128,
          window=(100, 0), cap=2.0, softmax="learnable", blocks=None),
+    Case("d80_dv32_32b_swizzle_default_tiles", T=300, S=300, N=2, K=1, Dqk=80, Dv=32,
+         window=(-1, 0), blocks=None),
     Case("mla_128_64_f16_one_wg_tails", T=200, S=300, N=1, K=1, Dqk=128, Dv=64,
          window=(-1, 0), bottom_right=True, dtype="float16",
          blocks=dataclasses.replace(ONE_WG, num_stages=3)),
@@ -257,6 +262,6 @@ def test_block_sizes_and_refusals():
     with pytest.raises(ValueError, match=r"softmax='learnable' needs sink of shape \(2,\)"):
         bwd.backward_spec(x, x, x, x, lse, x, dataclasses.replace(spec, softmax="learnable"),
                           interpret=True)
-    with pytest.raises(NotImplementedError, match="qk_dim=32"):
-        small = sm90.spec_for(x[..., :32], x[..., :32], x, scale=0.1)
-        bwd.backward_spec(x[..., :32], x[..., :32], x, x, lse, x, small, interpret=True)
+    with pytest.raises(NotImplementedError, match="qk_dim=24: must be a multiple of 16"):
+        small = sm90.spec_for(x[..., :24], x[..., :24], x, scale=0.1)
+        bwd.backward_spec(x[..., :24], x[..., :24], x, x, lse, x, small, interpret=True)

@@ -17,7 +17,9 @@ compute-capability 9.0 GPU (H100 / H200), packed segments, padding and explicit 
 (per-token tables and per-batch tile ranges from the block map, `pallas_mosaic_gpu_tokens`;
 padding tokens are zeroed first, so whatever they hold never reaches an output), a post-scale
 bias [B|1, N|1, T, S] read in q's dtype with its gradient (dS per visited tile from the dQ
-kernel, summed over broadcast dims). Not yet (the reason is returned): head dims that are not multiples of 64 or above 192; at call time,
+kernel, summed over broadcast dims), head dims that are multiples of 16 (the shared-memory
+tiles take the widest swizzle their rows allow: 128 bytes for multiples of 64, 64 for 96, 32
+for 80). Not yet (the reason is returned): head dims above 192; at call time,
 dropout with global key numbers (kv_index, a context-parallel ring's key shards).
 
 Dropout: `sm90.dropout_row_hash` turns the seed (and q_index, head_index) into per-row
@@ -62,9 +64,9 @@ def static_reason(spec: AttentionSpec) -> str | None:
     if spec.dtype not in DTYPES:
         return f"dtype {spec.dtype}: the kernels take {' or '.join(DTYPES)} (WGMMA operands)"
     for name, dim in (("Dqk", spec.qk_dim), ("Dv", spec.v_dim)):
-        if dim % 64 or dim > MAX_HEAD_DIM:
-            return (f"{name}={dim}: the kernels take multiples of 64 up to {MAX_HEAD_DIM} (128-byte "
-                    "swizzle; larger dims exceed the backward's register budget)")
+        if dim % 16 or dim > MAX_HEAD_DIM:
+            return (f"{name}={dim}: the kernels take multiples of 16 up to {MAX_HEAD_DIM} (32-byte "
+                    "rows, WGMMA's K step; larger dims exceed the backward's register budget)")
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 
     try:  # every call gets a backward config (a custom VJP cannot know it won't be differentiated)

@@ -48,7 +48,8 @@ SMEM_BYTES = 227 * 1024  # dynamic shared memory one block may use on H100/H200
 REGISTERS_PER_SM = 65536  # 32-bit registers, shared by every thread of a block
 WARPGROUP = 128  # threads
 WGMMA_M = 64  # rows of one warpgroup's WGMMA
-SWIZZLE_BYTES = 128  # Mosaic's swizzle: a WGMMA K extent is a multiple of 128 B
+SWIZZLE_BYTES = 128  # Mosaic's widest swizzle: a WGMMA K extent is a multiple of 128 B
+SWIZZLES = (128, 64, 32)  # the swizzles a tile's minor dim may take, widest first
 SMEM_ALIGNMENT = 1024  # Mosaic GPU rounds every shared memory buffer up to this many bytes
 _NO_ARRAYS = AttentionInputs(q=None, k=None, v=None)
 
@@ -347,6 +348,28 @@ class BlockSizes:
         return self
 
 
+def swizzle_for(minor_bytes: int) -> int:
+    """The widest swizzle (bytes) that divides a shared-memory tile's minor dim in bytes:
+    128 for head dims that are multiples of 64 (bf16), 64 for e.g. 96, 32 for e.g. 80;
+    NotImplementedError below 32 bytes."""
+    for swizzle in SWIZZLES:
+        if minor_bytes % swizzle == 0:
+            return swizzle
+    raise NotImplementedError(f"a shared-memory tile row of {minor_bytes} bytes: the kernels need "
+                              f"a multiple of {SWIZZLES[-1]} bytes (WGMMA's swizzled layouts)")
+
+
+def smem_tile(shape, dtype):
+    """plgpu.SMEM of `shape` with the tiling and swizzle WGMMA wants for its minor dim
+    (`swizzle_for`); the forward, backward and window kernels allocate their tiles with it."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    size = jnp.dtype(dtype).itemsize
+    swizzle = swizzle_for(shape[-1] * size)
+    transforms = (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
 # -- the window kernel's tiles --------------------------------------------------------------
 
 WINDOW_ROWS = WGMMA_M  # query positions per block of the window kernel: one WGMMA M
@@ -426,8 +449,9 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 
 def check_spec(spec: AttentionSpec, kernel: str, max_dim: int | None = None) -> None:
     """The checks every Mosaic GPU attention kernel makes of a call: NotImplementedError for
-    what none of them runs (other dtypes, head dims off the 128-byte swizzle or above
-    max_dim), ValueError for values out of range. `kernel` names the caller."""
+    what none of them runs (other dtypes, head dims that are not a multiple of 32 bytes, the
+    narrowest swizzle and WGMMA's K step, or above max_dim), ValueError for values out of
+    range. `kernel` names the caller."""
     if not 0.0 <= spec.dropout_rate < 1.0:
         raise ValueError(f"dropout_rate={spec.dropout_rate!r} must be in [0, 1)")
     if spec.softmax not in SOFTMAX_TYPES:
@@ -437,13 +461,13 @@ def check_spec(spec: AttentionSpec, kernel: str, max_dim: int | None = None) -> 
     if spec.dtype not in KERNEL_DTYPES:
         raise NotImplementedError(f"pallas_mosaic_gpu_sm90 {kernel}: dtype={spec.dtype}: the "
                                   f"kernels take {KERNEL_DTYPES}")
-    step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
+    step = SWIZZLES[-1] // jnp.dtype(spec.dtype).itemsize
     for name, dim in (("qk_dim", spec.qk_dim), ("v_dim", spec.v_dim)):
         if dim % step or (max_dim is not None and dim > max_dim):
             bound = "" if max_dim is None else f" of at most {max_dim}"
             raise NotImplementedError(f"pallas_mosaic_gpu_sm90 {kernel}: {name}={dim}: must be a "
-                                      f"multiple of {step}{bound} for {spec.dtype} (128-byte "
-                                      "swizzle; narrower swizzles not yet)")
+                                      f"multiple of {step}{bound} for {spec.dtype} (32-byte "
+                                      "rows: the narrowest swizzle and WGMMA's K step)")
 
 
 # -- the tuned table --------------------------------------------------------------------------

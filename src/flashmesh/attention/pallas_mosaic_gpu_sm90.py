@@ -125,7 +125,8 @@ from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (KERNEL_DTYPES, SMEM_ALIGNMENT, SMEM_BYTES,
                                                             SWIZZLE_BYTES, WARPGROUP, BlockSizes,
-                                                            band_kv_range, check_spec, split_part)
+                                                            band_kv_range, check_spec, smem_tile,
+                                                            split_part)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
 
 LOG2E = math.log2(math.e)
@@ -188,11 +189,7 @@ def smem_bytes(spec: AttentionSpec, bs: BlockSizes) -> int:
     return bs.smem_bytes(spec) + extra
 
 
-def _smem(shape, dtype):
-    """SMEM tile with the 128-byte swizzle WGMMA wants (minor dim a multiple of 128 B)."""
-    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
-    return plgpu.SMEM(shape, dtype, transforms=transforms)
+_smem = smem_tile  # swizzled SMEM tiles (pallas_mosaic_gpu_common.smem_tile)
 
 
 def _named_barrier(operation: str, num_threads: int):

@@ -85,7 +85,7 @@ from jax import lax
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (
     REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range,
-    check_spec)
+    check_spec, smem_tile)
 from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, band_mask, bias_copy, check_bias,
                                                          check_dropout_hash, check_tables,
                                                          dropout_keep, dropout_threshold,
@@ -245,12 +245,7 @@ def band_q_range(kv_tile, *, q_len: int, kv_len: int, window: tuple[int, int],
 
 # -- pieces shared by both kernels ----------------------------------------------------------------
 
-def _smem(shape, dtype):
-    """SMEM tile with the 128-byte swizzle WGMMA wants (as the forward's; both could live in
-    the common module)."""
-    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
-    return plgpu.SMEM(shape, dtype, transforms=transforms)
+_smem = smem_tile  # swizzled SMEM tiles (pallas_mosaic_gpu_common.smem_tile)
 
 
 def _pad_to(x, axis: int, multiple: int):
