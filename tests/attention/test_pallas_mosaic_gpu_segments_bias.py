@@ -70,8 +70,9 @@ PACKED = (((1, 50), (2, 40), (3, 36), (0, 10)), ((1, 90), (2, 46)))  # T = 136
 CASES = [
     # Row 0: three documents (boundaries at 50 and 90, inside tiles) then 10 padding tokens;
     # row 1: two documents. A window of 40 on top of causal reads positions.
-    Case("packed_window_gqa_tails_learnable_bias", q_ids=PACKED, window=(40, 0),
-         softmax="learnable", bias=(2, 1)),
+    # with the soft cap: a padding pair's cap slope is NaN (its bias is), its gradient still 0
+    Case("packed_window_gqa_tails_learnable_bias_cap", q_ids=PACKED, window=(40, 0),
+         softmax="learnable", bias=(2, 1), cap=5.0),
     # Cross attention with padding: 100 / 130 valid queries of 130, 190 / 60 valid keys of 190.
     Case("padding_cross_no_window_dropout", mask="none", dropout_rate=0.2, seqlens=True,
          q_ids=(((1, 100), (0, 30)), ((1, 130),)), kv_ids=(((1, 190),), ((1, 60), (0, 130)))),
@@ -254,6 +255,27 @@ def test_gpu_path_lowers_with_tables(window, blocks, bias, monkeypatch):
     assert len(counted) == 3, counted
     assert counted[0] == sm90.smem_bytes(spec, blocks), (counted, sm90.smem_bytes(spec, blocks))
     assert counted[1] <= estimate["dkv"] and counted[2] <= estimate["dq"], (counted, estimate)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_bias_of_minus_inf_over_full_tiles_interpret(splits, interpreter):
+    """A bias of -inf over every key of rows 0..63 and over the first key tile of rows
+    64..127, with no mask (every tile FULL), whole and in 2 KV splits: the hidden rows give
+    exactly 0 and EMPTY_ROW_LSE, the others the reference, never NaN."""
+    ks = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(key, (1, 128, 2, 64), jnp.float32).astype(jnp.bfloat16) for key in ks)
+    bias = jnp.zeros((1, 1, 128, 128), jnp.float32)
+    bias = bias.at[:, :, :64].set(-jnp.inf).at[:, :, 64:, :64].set(-jnp.inf)
+    inputs, spec = normalize(q, k, v, mask="none", bias=bias, return_lse=True)
+    blocks = BlockSizes(block_q=64, block_kv=64, num_compute_wgs=1, num_splits=splits)
+    out, lse = sm90.attention(inputs, spec, block_sizes=blocks, interpret=True)
+    ref_out, ref_lse = flashmesh.attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask="none",
+                                           bias=bias, return_lse=True, implementation="reference")
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    np.testing.assert_array_equal(out[:, :64], 0.0)
+    np.testing.assert_array_equal(lse[:, :, :64], np.float32(EMPTY_ROW_LSE))
+    rel_l2("out", out[:, 64:], np.asarray(ref_out)[:, 64:], 1e-2)
+    np.testing.assert_allclose(lse[:, :, 64:], np.asarray(ref_lse)[:, :, 64:], rtol=0, atol=1e-4)
 
 
 def test_static_reason_accepts_segments_and_tables_are_checked():

@@ -406,9 +406,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                 s = band_mask(s, i + (row0 + spec.diagonal_offset), j + step * bkv, spec, kv_tail)
             m_tile = s.max(axis=1) * scale2 if fold else s.max(axis=1)
             m_new = jnp.maximum(m_i, m_tile)
-            if masked and not has_sink:  # with a sink m starts finite
-                # A row with no visible key so far keeps m = -inf; shift it by 0 instead, so
-                # exp2 gives exact zeros rather than NaN (-inf - -inf).
+            if (masked or bias is not None) and not has_sink:  # with a sink m starts finite
+                # A row with no visible key so far keeps m = -inf (a mask, or a bias of -inf
+                # even in a FULL tile); shift it by 0 instead, so exp2 gives exact zeros
+                # rather than NaN (-inf - -inf).
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             else:
                 m_safe = m_new  # an unmasked tile gives every row a finite maximum

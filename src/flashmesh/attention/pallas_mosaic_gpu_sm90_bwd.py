@@ -56,9 +56,12 @@ over the dims the bias broadcasts (`_reduce_dbias`). The dK/dV kernel reads the 
 transposed ([B|1, N|1, S, T], an XLA transpose), streamed with the Q/dO tiles. The [B, N, T, S]
 intermediate costs B x N x T x S x 2 bytes, like a full bias.
 
-Not implemented (NotImplementedError): head dims not multiples of 64 (the
-128-byte swizzle), dK/dV accumulators beyond the register budget (d256), dropout with global
-key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
+Large head dims (d256, MLA 192/128), whose dK and dV accumulators do not fit the registers
+together, run the dK/dV kernel twice (`BackwardBlockSizes.split_dkv`): a dV pass (Sᵀ, Pᵀ,
+dV += Pᵀ dO) and a dK pass (Sᵀ, dPᵀ, dSᵀ, dK += dSᵀ Q).
+
+Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte rows), above
+256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
 step's (wgmma_wait(1)), ping-pong between
 warpgroups, a persistent LPT grid, OOB-filled TMA instead of padded copies,
 `unsafe_no_auto_barriers`, a fused single kernel with a dQ reduction (FA3's 5 GEMMs instead
@@ -109,6 +112,9 @@ class BackwardBlockSizes:
     num_stages: SMEM ring slots of both kernels' streamed tiles (>= 1).
     num_compute_wgs: compute warpgroups of both kernels, 1 or 2 (plus one memory warpgroup).
     compute_registers, memory_registers: setmaxnreg per thread (multiples of 8 in [24, 256]).
+    split_dkv: run the dK/dV kernel twice, once accumulating dV only (Sᵀ, Pᵀ, dV) and once dK
+      only (Sᵀ, dPᵀ, dSᵀ, dK), so that large head dims (d256, MLA 192/128) fit the register
+      file; Sᵀ is computed in both passes (one GEMM more).
     """
 
     block_q: int = 64
@@ -119,6 +125,7 @@ class BackwardBlockSizes:
     num_compute_wgs: int = 2
     compute_registers: int = 240  # FA3's split of the register file for its backward
     memory_registers: int = 24
+    split_dkv: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -134,6 +141,8 @@ class BackwardBlockSizes:
         for name in ("block_q", "block_kv_dq"):
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
+        if not isinstance(self.split_dkv, bool):
+            raise ValueError(f"BackwardBlockSizes.split_dkv={self.split_dkv!r} must be a bool")
         for name in ("compute_registers", "memory_registers"):
             check(name, lambda r: 24 <= r <= 256 and r % 8 == 0, "a multiple of 8 in [24, 256]")
         per_thread = self.compute_registers * self.num_compute_wgs + self.memory_registers
@@ -167,8 +176,13 @@ class BackwardBlockSizes:
         dP, dQ plus the 16-bit dS (64-row WGMMA tiles spread over a warpgroup's 128 threads)."""
         kv_rows = self.block_kv // self.num_compute_wgs
         q_rows = self.block_q_dq // self.num_compute_wgs
-        return {"dkv": kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP
-                + 2 * kv_rows * self.block_q // (2 * WARPGROUP),
+        p16 = kv_rows * self.block_q // (2 * WARPGROUP)  # one 16-bit [rows, block_q] tile
+        if self.split_dkv:  # the dV pass: Sᵀ, dV, Pᵀ; the dK pass: Sᵀ, dPᵀ, dK, dSᵀ
+            dkv = max(kv_rows * (self.block_q + spec.v_dim) // WARPGROUP + p16,
+                      kv_rows * (2 * self.block_q + spec.qk_dim) // WARPGROUP + p16)
+        else:
+            dkv = kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP + 2 * p16
+        return {"dkv": dkv,
                 "dq": q_rows * (2 * self.block_kv_dq + spec.qk_dim) // WARPGROUP
                 + q_rows * self.block_kv_dq // (2 * WARPGROUP)}
 
@@ -195,17 +209,20 @@ class BackwardBlockSizes:
 
 
 def default_for(spec: AttentionSpec) -> BackwardBlockSizes:
-    """The untuned default: 64 x 128 dK/dV tiles and 128 x 64 dQ tiles with 2 warpgroups,
-    3 stages where they fit, else 2, else 1; NotImplementedError if nothing fits (d256)."""
-    bs = None
-    for stages in (3, 2, 1):
-        bs = BackwardBlockSizes(num_stages=stages)
-        if all(b <= SMEM_BYTES for b in bs.smem_bytes(spec).values()):
-            break
-    if any(r > bs.compute_registers for r in bs.registers(spec).values()):
-        raise NotImplementedError(f"qk_dim={spec.qk_dim}, v_dim={spec.v_dim}: the dK/dV "
-                                  "accumulators exceed the register budget (no d-split yet)")
-    return bs.validate_for(spec)
+    """The untuned default: 64 x 128 dK/dV tiles and 128 x 64 dQ tiles with 2 warpgroups and
+    3 stages where they fit, else 2, else 1; for head dims whose dK and dV accumulators do not
+    fit the registers together (d256, MLA 192/128) the split dK/dV passes, then one warpgroup
+    of 64 keys; NotImplementedError if nothing fits."""
+    shapes = (dict(), dict(block_kv=64, block_q_dq=64, num_compute_wgs=1))
+    for shape in shapes:
+        for split in (False, True):
+            for stages in (3, 2, 1):
+                bs = BackwardBlockSizes(num_stages=stages, split_dkv=split, **shape)
+                if (all(b <= SMEM_BYTES for b in bs.smem_bytes(spec).values())
+                        and all(r <= bs.compute_registers for r in bs.registers(spec).values())):
+                    return bs.validate_for(spec)
+    raise NotImplementedError(f"qk_dim={spec.qk_dim}, v_dim={spec.v_dim}: no backward tiles fit the "
+                              f"register budget and {SMEM_BYTES} bytes of shared memory")
 
 
 def band_q_range(kv_tile, *, q_len: int, kv_len: int, window: tuple[int, int],
@@ -330,7 +347,7 @@ def _ring_drain(consumed, slot_of, total, stages):
 
 def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, tok_refs, dk_ref,
                 dv_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
-                interpret: bool):
+                interpret: bool, part: str = "both"):
     # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk],
     # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
@@ -387,15 +404,22 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
         kv_tail = spec.kv_len % bs.block_kv != 0
 
         def q_step(q_tile, carry, *, g, masked: bool):
+            # part "both": dK and dV; "dv": Sᵀ and dV only; "dk": Sᵀ, dPᵀ and dK only
             masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
-            dk, dv = carry
             slot = slot_of(g * count + q_tile - r.lo)
             for barrier in stats_ready:
                 plgpu.barrier_wait(barrier.at[slot])
             q_tile_s, do_tile = q_smem.at[slot], do_smem.at[slot]
-            st, dpt = _two_products(k_smem.at[wg], q_tile_s.transpose((1, 0)),
-                                    v_smem.at[wg], do_tile.transpose((1, 0)),
-                                    (rows, bq), (rows, bq))
+            if part == "dv":
+                def qk(acc):
+                    plgpu.wgmma(acc, k_smem.at[wg], q_tile_s.transpose((1, 0)))
+                    return acc[...]
+
+                st, dpt = pl.run_scoped(qk, plgpu.ACC((rows, bq), jnp.float32)), None
+            else:
+                st, dpt = _two_products(k_smem.at[wg], q_tile_s.transpose((1, 0)),
+                                        v_smem.at[wg], do_tile.transpose((1, 0)),
+                                        (rows, bq), (rows, bq))
             bias = None if bias_ref is None else bias_smem.at[slot, wg][...].astype(jnp.float32)
             st2, dcap = _logits2(st, spec, bias)
             if masked and tok_refs:  # rows are keys, columns queries
@@ -406,20 +430,28 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
                 q_pos = _iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
                 st2 = band_mask(st2, q_pos, key, spec, kv_tail)
             lse = plgpu.load(lse_smem.at[slot], layout=COL)
-            delta = plgpu.load(delta_smem.at[slot], layout=COL)
             pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
             pt_v = pt  # the P of dV: the kept elements (dropout's 1 / (1 - r) at the end)
             if dropout:  # keys are rows here: the queries' hashes run along the columns
                 keep = dropout_keep(plgpu.load(hash_smem.at[slot], layout=COL), key0, pt.shape,
                                     0, dropout_threshold(spec.dropout_rate))
-                dpt, pt_v = jnp.where(keep, dpt, 0.0), jnp.where(keep, pt, 0.0)
-            dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
-            if dcap is not None:
-                dst = dst * dcap
-            dk, dv = accumulate((dk, dv), (dst.astype(dtype), pt_v.astype(dtype)),
-                                (q_tile_s, do_tile), staging)
+                pt_v = jnp.where(keep, pt, 0.0)
+                dpt = None if dpt is None else jnp.where(keep, dpt, 0.0)
+            lhs, rhs = [], []
+            if part != "dv":
+                delta = plgpu.load(delta_smem.at[slot], layout=COL)
+                dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
+                if dcap is not None:
+                    dst = dst * dcap
+                    if masked:  # a masked pair's cap slope may be NaN (its bias: padding)
+                        dst = jnp.where(pt == 0.0, 0.0, dst)
+                lhs, rhs = [dst.astype(dtype)], [q_tile_s]
+            if part != "dk":
+                lhs, rhs = lhs + [pt_v.astype(dtype)], rhs + [do_tile]
+            used = None if staging is None else staging[:len(lhs)]
+            carry = accumulate(carry, tuple(lhs), tuple(rhs), used)
             plgpu.barrier_arrive(consumed.at[slot])
-            return dk, dv
+            return carry
 
         def head(g, carry):  # the group's query heads share the band, so one range serves all
             masked_step = functools.partial(q_step, g=g, masked=True)
@@ -428,15 +460,22 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
             carry = lax.fori_loop(r.full_lo, r.full_hi, full_step, carry)
             return lax.fori_loop(r.full_hi, r.hi, masked_step, carry)
 
-        zeros = (_zeros((rows, spec.qk_dim)), _zeros((rows, spec.v_dim)))
-        dk, dv = lax.fori_loop(0, G, head, zeros)
+        zeros = ((() if part == "dv" else (_zeros((rows, spec.qk_dim)),))
+                 + (() if part == "dk" else (_zeros((rows, spec.v_dim)),)))
+        accs = list(lax.fori_loop(0, G, head, zeros))
         # K and V are no longer read (their last GEMMs were awaited): their SMEM takes dK, dV.
         keep_scale = 1.0 / (1.0 - spec.dropout_rate)
-        k_smem.at[wg][...] = (dk * (spec.scale * keep_scale)).astype(dtype)
-        v_smem.at[wg][...] = (dv * keep_scale if dropout else dv).astype(dtype)
+        if part != "dv":
+            dk = accs.pop(0)
+            k_smem.at[wg][...] = (dk * (spec.scale * keep_scale)).astype(dtype)
+        if part != "dk":
+            dv = accs.pop(0)
+            v_smem.at[wg][...] = (dv * keep_scale if dropout else dv).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[kv_rows])
-        plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_rows])
+        if part != "dv":
+            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[kv_rows])
+        if part != "dk":
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == W)
@@ -574,6 +613,8 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
             if dcap is not None:
                 ds = ds * dcap
+                if masked:  # a masked pair's cap slope may be NaN (its bias: padding)
+                    ds = jnp.where(p == 0.0, 0.0, ds)
             if dbias_ref is not None:  # dbias = dS (dropout's 1 / (1 - r) included)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read it
                 keep_scale = 1.0 / (1.0 - spec.dropout_rate)
@@ -700,10 +741,23 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
     barriers += [plgpu.Barrier(num_barriers=stages) if dropout else None]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) if bias_t is not None else None]
     barriers += [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=stages)] * n_tok
-    kernel = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret)
-    out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
-    return _launch(kernel, (q, k, v, do, lse2, delta, row_hash, bias_t, tok), out_type, smem,
-                   barriers, grid, ("kv", "heads", "batch"), bs, interpret)
+    inputs = (q, k, v, do, lse2, delta, row_hash, bias_t, tok)
+    dk_type, dv_type = jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)
+    if not bs.split_dkv:
+        kernel = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret)
+        return _launch(kernel, inputs, (dk_type, dv_type), smem, barriers, grid,
+                       ("kv", "heads", "batch"), bs, interpret)
+    outs = []
+    for part, out_type in (("dk", dk_type), ("dv", dv_type)):  # one accumulator per pass
+        one = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret, part=part)
+
+        def kernel(*refs, one=one, part=part):  # (inputs..., dk | dv, smem, barriers)
+            out = (refs[-3], None) if part == "dk" else (None, refs[-3])
+            return one(*refs[:-3], *out, *refs[-2:])
+
+        outs += _launch(kernel, inputs, (out_type,), smem, barriers, grid, ("kv", "heads", "batch"),
+                        bs, interpret)
+    return tuple(outs)
 
 
 def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):

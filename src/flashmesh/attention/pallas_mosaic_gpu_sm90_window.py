@@ -90,18 +90,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     pv = sm90._pv_from_smem if interpret else sm90._pv_from_registers
     scale2 = spec.scale * sm90.LOG2E
     cap = spec.logits_soft_cap
-    i = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 0, layout=plgpu.Layout.WGMMA)
-    j = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 1, layout=plgpu.Layout.WGMMA)
     kv_tail = spec.kv_len % bkv != 0 or nb * bkv > spec.kv_len
 
     def one_head(t, carry):
         buf = lax.rem(t, 2)
         head = head_of(t)
-
-        @pl.when(t + 1 < heads)  # the next head's Q into the other buffer, once its O is out
-        def _():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            load_q(t + 1, 1 - buf)
 
         plgpu.barrier_wait(q_ready.at[wg * 2 + buf])
 
@@ -110,11 +103,20 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
             return s_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
+
+        @pl.when(t + 1 < heads)  # the next head's Q into the other buffer, once its O is out
+        def _():  # (after this head's S: the last head's O store had that GEMM to finish)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            load_q(t + 1, 1 - buf)
+
         if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
             e = jnp.exp2(s * (2.0 * sm90.LOG2E * spec.scale / cap))
             s = (1.0 - 2.0 / (e + 1.0)) * (cap * sm90.LOG2E)
         else:
             s = s * scale2
+        # (indices made here, not before the loop, so they are not live across it)
+        i = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 0, layout=plgpu.Layout.WGMMA)
+        j = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 1, layout=plgpu.Layout.WGMMA)
         s = sm90.band_mask(s, i + (row0 + spec.diagonal_offset), j + lo * bkv, spec, kv_tail)
         m = s.max(axis=1)
         row = plgpu.Layout.WGMMA.reduce(1)
