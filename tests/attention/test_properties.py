@@ -50,7 +50,7 @@ def _backends():
     return [b for b in CAPABILITIES if b != "reference" and (on_gpu or b not in GPU_BACKENDS)]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           print_blob=True)
 @given(configs())
 def test_backends_agree_with_reference(config):
