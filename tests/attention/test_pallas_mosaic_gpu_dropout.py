@@ -36,6 +36,7 @@ from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention.api import normalize
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
+from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
 from mosaic_testing import interpreter, rel_l2  # noqa: F401  (interpreter: a fixture)
 
 BBS = bwd.BackwardBlockSizes
@@ -66,7 +67,7 @@ def test_row_hash_finishes_to_masks_dropout_keep():
         h = sm90.dropout_row_hash(spec, inputs.dropout_seed, q_index=q_index, head_index=head_index)
         assert h.shape == (B, N, T) and h.dtype == jnp.uint32
         kv = jnp.arange(S).astype(jnp.uint32)[None, None, None, :]
-        x = h[..., None] + kv * jnp.uint32(sm90.DROPOUT_KEY_MULT)
+        x = h[..., None] + kv * jnp.uint32(DROPOUT_KEY_MULT)
         got = masks._mix32(x) >= jnp.uint32(sm90.dropout_threshold(rate))
         numbers = dataclasses.replace(inputs, q_index=q_index, head_index=head_index)
         want = expected_keep(numbers, rate, B, N, T, S)

@@ -44,7 +44,6 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
-DTYPES = ("bfloat16", "float16")
 MAX_HEAD_DIM = 256  # WGMMA N of the O and dK / dV accumulators (d256 takes the split dK/dV passes)
 
 
@@ -61,8 +60,10 @@ def _device_reason() -> str | None:
 
 def static_reason(spec: AttentionSpec) -> str | None:
     """Why the kernels cannot run this call whatever the device, or None."""
-    if spec.dtype not in DTYPES:
-        return f"dtype {spec.dtype}: the kernels take {' or '.join(DTYPES)} (WGMMA operands)"
+    from flashmesh.attention.pallas_mosaic_gpu_common import KERNEL_DTYPES
+
+    if spec.dtype not in KERNEL_DTYPES:
+        return f"dtype {spec.dtype}: the kernels take {' or '.join(KERNEL_DTYPES)} (WGMMA operands)"
     for name, dim in (("Dqk", spec.qk_dim), ("Dv", spec.v_dim)):
         if dim % 16 or dim > MAX_HEAD_DIM:
             return (f"{name}={dim}: the kernels take multiples of 16 up to {MAX_HEAD_DIM} (32-byte "

@@ -88,12 +88,16 @@ pallas_mosaic_gpu_sm90_bwd. Not yet done for speed: OOB-filled TMA loads instead
 copies (the padding only runs for tails), per-warpgroup ranges, a persistent grid, named
 barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale.
 
+Argument checks, the spec of a band-mask call and the dropout row hashes are in
+pallas_mosaic_gpu_inputs; the K/V ring, band mask, dropout round and the P·V forms shared with
+the backward and window kernels in pallas_mosaic_gpu_sm90_parts.
+
 Interpret mode (`interpret=True`, CPU): the Mosaic GPU interpreter in jax 0.11.2 cannot take a
 register operand as WGMMA's A, nor `pl.run_state` over an accumulator (it meets the discharged
 `wgmma` primitive). So there P goes through an SMEM buffer and each step's P·V goes into a fresh
-zero accumulator that is added to O (`_pv_from_smem`), and the overlapped step issues its two
+zero accumulator that is added to O (`pv_from_smem`), and the overlapped step issues its two
 GEMMs one after the other (`_pair_in_turn`). On a GPU the kernel uses the FA3 form, P from
-registers accumulated in place (`_pv_from_registers`, `_pair_in_flight`). Everything else,
+registers accumulated in place (`pv_from_registers`, `_pair_in_flight`). Everything else,
 barriers and ping-pong turns included, is shared; the interpreter models the named barriers
 (a miscounted turn deadlocks there too). The GPU form is lowered on CPU by the tests.
 
@@ -109,8 +113,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import operator
 
 import jax
 import jax.experimental.pallas as pl
@@ -123,56 +125,17 @@ from jaxtyping import Array, Float
 
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-from flashmesh.attention.pallas_mosaic_gpu_common import (KERNEL_DTYPES, SMEM_ALIGNMENT, SMEM_BYTES,
-                                                            SWIZZLE_BYTES, WARPGROUP, BlockSizes,
-                                                            band_kv_range, check_spec, smem_tile,
-                                                            split_part)
+from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_BYTES, WARPGROUP,
+                                                            BlockSizes, band_kv_range, check_spec,
+                                                            smem_tile, split_part)
+from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
+                                                            check_tables, dropout_row_hash,
+                                                            dropout_threshold, inputs_dropout_hash,
+                                                            pad_to, spec_for)
+from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, bias_copy,
+                                                                dropout_keep, pv_from_registers,
+                                                                pv_from_smem, stream_kv, table_copies)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-DTYPES = KERNEL_DTYPES
-# masks.dropout_keep's multipliers of the batch index (first round) and key index (last round).
-DROPOUT_BATCH_MULT = 0x9E3779B1
-DROPOUT_KEY_MULT = 0x85EBCA77
-
-
-def dropout_threshold(rate: float) -> int:
-    """masks.dropout_keep's threshold: an element is kept iff its uint32 hash is >= this."""
-    return min(int(round(rate * 2.0**32)), 2**32 - 1)
-
-
-def dropout_row_hash(spec: AttentionSpec, seed, *, q_index=None, head_index=None):
-    """The first two rounds of masks.dropout_keep (per batch and head, then per query row), the
-    same operations in the same order: uint32 [B, N, T]. The kernels finish the hash per
-    element with `dropout_keep`.
-
-    seed: uint32 [2] (AttentionInputs.dropout_seed); q_index [T], head_index [N] int32 or None:
-    the global query and head numbers the hash sees (context parallelism), as
-    masks.dropout_numbers takes them.
-    """
-    if seed is None or seed.shape != (2,) or seed.dtype != jnp.uint32:
-        raise ValueError(f"dropout needs seed uint32 of shape (2,), got "
-                         f"{None if seed is None else (seed.dtype, seed.shape)}")
-    u = jnp.uint32
-    numbers = AttentionInputs(q=None, k=None, v=None, q_index=q_index, head_index=head_index)
-    n, i, _ = masks.dropout_numbers(numbers, jnp.arange(spec.num_heads), jnp.arange(spec.q_len), 0)
-    b = jnp.arange(spec.batch).astype(u)[:, None, None]
-    h = masks._mix32(seed[0] ^ masks._mix32(b * u(DROPOUT_BATCH_MULT) + n.astype(u)[None, :, None]))
-    return masks._mix32(h ^ seed[1] ^ i.astype(u)[None, None, :])
-
-
-def dropout_keep(row_hash, key0, shape, key_dim: int, threshold: int):
-    """In a kernel: the last round of masks.dropout_keep over a tile, bool `shape` (WGMMA
-    layout). row_hash: `dropout_row_hash` of the tile's queries, a uint32 vector along the
-    other dim (WGMMA row or column layout); the keys are key0 + iota along key_dim (key0 an
-    int32 scalar). (key0 + j) * M = key0 * M + j * M modulo 2**32, so the scalar part joins the
-    vector and each element pays one multiply-add before the mixer."""
-    u = jnp.uint32
-    base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
-    keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
-    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
-    return masks._mix32(x) >= u(threshold)
 
 
 def smem_bytes(spec: AttentionSpec, bs: BlockSizes) -> int:
@@ -187,9 +150,6 @@ def smem_bytes(spec: AttentionSpec, bs: BlockSizes) -> int:
     if spec.has_dropout:
         extra += -(-bs.block_q * 4 // SMEM_ALIGNMENT) * SMEM_ALIGNMENT + 8 * bs.num_compute_wgs
     return bs.smem_bytes(spec) + extra
-
-
-_smem = smem_tile  # swizzled SMEM tiles (pallas_mosaic_gpu_common.smem_tile)
 
 
 def _named_barrier(operation: str, num_threads: int):
@@ -208,31 +168,6 @@ def _named_barrier(operation: str, num_threads: int):
                         f"bar.{operation} $0, {num_threads};", "r", has_side_effects=True)
 
     return bar_op
-
-
-def _pv_from_registers(acc, p16, v_tile, p_smem, during):
-    """O += P V with P as WGMMA's register operand, accumulated in place (FA3); `during()` runs
-    while the GEMM is in flight."""
-    del p_smem
-
-    def mma(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_tile)
-        during()
-
-    return pl.run_state(mma)(plgpu.ACC.init(acc))
-
-
-def _pv_from_smem(acc, p16, v_tile, p_smem, during):
-    """O += P V with P staged in SMEM and a fresh accumulator (what interpret mode runs)."""
-    p_smem[...] = p16
-    plgpu.commit_smem()  # make the generic-proxy stores visible to WGMMA's async proxy
-
-    def mma(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_tile)
-        during()
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
 
 
 def _pair_in_flight(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_issue, on_s):
@@ -262,7 +197,7 @@ def _pair_in_turn(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_
         return s_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((q_tile.shape[0], k_t.shape[1]), jnp.float32))
-    acc = _pv_from_smem(acc, p_prev, v_tile, p_smem, after_issue)
+    acc = pv_from_smem(acc, p_prev, v_tile, p_smem, after_issue)
     return acc, on_s(s)
 
 
@@ -328,7 +263,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                                     hash_ready.at[wg])
         for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
             plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(row0, rows)], buf.at[wg], ready.at[wg])
-        pv = _pv_from_smem if interpret else _pv_from_registers
+        pv = pv_from_smem if interpret else pv_from_registers
         pair = _pair_in_turn if interpret else _pair_in_flight
         p_wg = None if p_smem is None else p_smem.at[wg]
         scale2 = spec.scale * LOG2E  # logits in log2 units: exp(x) = exp2(x log2 e)
@@ -551,77 +486,6 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                   bkv=bkv, stages=stages, slot_of=slot_of, extra=extra)
 
 
-def table_copies(tok_refs, smems, ready, batch, block: int) -> tuple:
-    """`stream_kv` extras for the streamed side's token tables (segments): tile `step` of each
-    table [B, L] into its ring slot."""
-    def copy(ref, smem, arrived):
-        def issue(step, slot):
-            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(step * block, block)], smem.at[slot],
-                                    arrived.at[slot])
-        return issue
-
-    return tuple(copy(*x) for x in zip(tok_refs[2], smems, ready)) if tok_refs else ()
-
-
-def bias_copy(bias_ref, smem, ready, batch, head, row0, rows: int, num_wgs: int, block: int):
-    """A `stream_kv` extra: the bias of query rows row0 .. row0 + num_wgs * rows and key tile
-    `step`, one TMA per compute warpgroup into smem [stages, W, rows, block] (the ready barrier
-    expects W arrivals). bias_ref [B|1, N|1, Tp, Sp]: a broadcast dim reads index 0."""
-    b = batch if bias_ref.shape[0] > 1 else 0
-    n = head if bias_ref.shape[1] > 1 else 0
-
-    def issue(step, slot):
-        for w in range(num_wgs):
-            plgpu.copy_gmem_to_smem(
-                bias_ref.at[b, n, pl.ds(row0 + w * rows, rows), pl.ds(step * block, block)],
-                smem.at[slot, w], ready.at[slot])
-    return issue
-
-
-def band_mask(s, q_pos, key, spec: AttentionSpec, kv_tail: bool):
-    """s with -inf where query position q_pos does not see key index key (same shapes): the
-    window's bounds, and with kv_tail the padded keys past S (forward and backward kernels)."""
-    left, right = spec.window
-    d = q_pos - key
-    visible = []
-    if left >= 0:
-        visible.append(d <= left)
-    if right >= 0:
-        visible.append(d >= -right)
-    if kv_tail:  # padded keys past S get zero weight
-        visible.append(key < spec.kv_len)
-    return jnp.where(functools.reduce(operator.and_, visible), s, -jnp.inf)
-
-
-def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int, stages: int, slot_of,
-              extra=()):
-    """The memory warpgroup's K/V ring (forward and dQ kernels): for key tiles lo .. hi - 1,
-    wait until the slot's last reader released it (from the `stages`-th tile on), then TMA K
-    and V into it, each with its own ready barrier (so P·V waits only for V). `extra`:
-    callables issue(step, slot) that copy more of the key tile's data (segment tables, bias)
-    after V into the same slot, released with V. Then observe the
-    release of the last (up to `stages`) slots too, so every phase of the consumed barriers is
-    waited for exactly once (the interpreter checks this at deallocation; on hardware it keeps
-    the phases in step). refs, smems, ready, consumed: (K, V) pairs; slot_of(step) -> slot."""
-    @pl.loop(lo, hi)
-    def _(step):
-        slot, reuse = slot_of(step), step - lo >= stages
-        rows = (batch, pl.ds(step * bkv, bkv), kv_head)
-        for ref, smem, arrived, released in zip(refs, smems, ready, consumed):
-            @pl.when(reuse)
-            def _():
-                plgpu.barrier_wait(released.at[slot])
-
-            plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], arrived.at[slot])
-        for issue in extra:
-            issue(step, slot)
-
-    @pl.loop(jnp.maximum(hi - stages, lo), hi)
-    def _(step):
-        for released in consumed:
-            plgpu.barrier_wait(released.at[slot_of(step)])
-
-
 def check(spec: AttentionSpec, bs: BlockSizes) -> None:
     """NotImplementedError for a call this kernel cannot run, ValueError for a bad tile."""
     check_spec(spec, "forward")
@@ -633,84 +497,14 @@ def check(spec: AttentionSpec, bs: BlockSizes) -> None:
                          "stages)")
 
 
-def spec_for(q, k, v, *, scale: float, window=(-1, -1), bottom_right: bool = False,
-             logits_soft_cap: float | None = None, softmax: str = "vanilla",
-             dropout_rate: float = 0.0) -> AttentionSpec:
-    """The AttentionSpec of a band-mask call (ValueError for inconsistent shapes)."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be 4-D [B, T|S, N|K, H], got {q.shape=}, {k.shape=}, {v.shape=}")
-    B, T, N, Dqk = q.shape
-    S, K, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if k.shape != (B, S, K, Dqk) or v.shape != (B, S, K, Dv):
-        raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must be {(B, S, K, Dqk)} and "
-                         f"{(B, S, K, Dv)} (from q.shape={q.shape})")
-    if N % K:
-        raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads={K}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    return AttentionSpec(B, T, S, N, K, Dqk, Dv, jnp.dtype(q.dtype).name, float(scale),
-                         window=tuple(window), bottom_right=bottom_right, softmax=softmax,
-                         logits_soft_cap=cap, dropout_rate=float(dropout_rate))
-
-
-def check_dropout_hash(spec: AttentionSpec, dropout_hash) -> None:
-    """ValueError unless dropout_hash is uint32 [B, N, T] exactly when the spec has dropout."""
-    if not spec.has_dropout:
-        if dropout_hash is not None:
-            raise ValueError("dropout_hash must be None for dropout_rate=0")
-        return
-    shape = (spec.batch, spec.num_heads, spec.q_len)
-    if dropout_hash is None or dropout_hash.shape != shape or dropout_hash.dtype != jnp.uint32:
-        got = None if dropout_hash is None else (dropout_hash.dtype, dropout_hash.shape)
-        raise ValueError(f"dropout_rate={spec.dropout_rate} needs dropout_hash uint32 {shape} "
-                         f"(dropout_row_hash), got {got}")
-
-
-def check_bias(spec: AttentionSpec, bias) -> None:
-    """ValueError unless `bias` is a float array of spec.bias_shape exactly when it has one."""
-    if spec.bias_shape is None:
-        if bias is not None:
-            raise ValueError("bias must be None for a spec without bias_shape")
-        return
-    if bias is None or bias.shape != spec.bias_shape or not jnp.issubdtype(bias.dtype, jnp.floating):
-        got = None if bias is None else (bias.dtype, bias.shape)
-        raise ValueError(f"bias must be a float array of shape {spec.bias_shape}, got {got}")
-
-
-def check_tables(spec: AttentionSpec, tables) -> None:
-    """ValueError unless `tables` is a TokenTables of the call's shapes exactly when its mask
-    reads per-token data (segments or explicit positions)."""
-    if not tokens.needed(spec):
-        if tables is not None:
-            raise ValueError("tables must be None for a call without segments or explicit positions")
-        return
-    if not isinstance(tables, tokens.TokenTables):
-        raise ValueError(f"segments={spec.segments!r} needs tables (pallas_mosaic_gpu_tokens."
-                         f"TokenTables), got {type(tables).__name__}")
-    B, T, S = spec.batch, spec.q_len, spec.kv_len
-    for name, x, shape in zip(tables._fields, tables, ((B, T), (B, S), (B, T), (B, S))):
-        if x.shape != shape or x.dtype != jnp.int32:
-            raise ValueError(f"tables.{name} must be int32 {shape}, got {x.dtype} {x.shape}")
-
-
 def _sink_rows(spec: AttentionSpec, sink, rows: int):
     """The learnable sink as the kernel reads it: [N, rows] f32 of sink[n] * log2 e (one row
     of a warpgroup's TMA copy per head), None for the other softmax types."""
+    check_sink(spec, sink)
     if spec.softmax != "learnable":
-        if sink is not None:
-            raise ValueError(f"sink must be None for softmax={spec.softmax!r}")
         return None
-    if sink is None or sink.shape != (spec.num_heads,):
-        raise ValueError(f"softmax='learnable' needs sink of shape ({spec.num_heads},), got "
-                         f"{None if sink is None else sink.shape}")
     z2 = sink.astype(jnp.float32) * jnp.float32(LOG2E)
     return jnp.broadcast_to(z2[:, None], (spec.num_heads, rows))
-
-
-def _pad_to(x, axis: int, multiple: int):
-    extra = -x.shape[axis] % multiple
-    return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
 
 
 def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, tables=None,
@@ -731,13 +525,13 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
     if splits > 1:  # each split runs vanilla; the sink joins when they are merged
         spec, sink_rows = dataclasses.replace(spec, softmax="vanilla"), None
     if dropout_hash is not None:
-        dropout_hash = _pad_to(dropout_hash, 2, bs.block_q)  # padded rows are dropped anyway
+        dropout_hash = pad_to(dropout_hash, 2, bs.block_q)  # padded rows are dropped anyway
     # Tails: zero-pad T and S to the block multiples (padded keys are masked in the kernel),
     # then slice the outputs back to T.
-    q = _pad_to(q, 1, bs.block_q)
-    k, v = _pad_to(k, 1, bs.block_kv), _pad_to(v, 1, bs.block_kv)
+    q = pad_to(q, 1, bs.block_q)
+    k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
     if bias is not None:  # padded rows and columns are dropped or masked: zeros
-        bias = _pad_to(_pad_to(bias.astype(q.dtype), 2, bs.block_q), 3, bs.block_kv)
+        bias = pad_to(pad_to(bias.astype(q.dtype), 2, bs.block_q), 3, bs.block_kv)
     Tp = q.shape[1]
     W = bs.num_compute_wgs
     dtype = jnp.dtype(spec.dtype)
@@ -745,15 +539,15 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
                                                            q_len=Tp, kv_len=k.shape[1])
     n_tok = tokens.per_side(spec)
     smem = [
-        _smem((W, bs.rows_per_wg, spec.qk_dim), dtype),
-        _smem((bs.num_stages, bs.block_kv, spec.qk_dim), dtype),
-        _smem((bs.num_stages, bs.block_kv, spec.v_dim), dtype),
-        None if bs.o_reuses_q(spec) else _smem((W, bs.rows_per_wg, spec.v_dim), dtype),
+        smem_tile((W, bs.rows_per_wg, spec.qk_dim), dtype),
+        smem_tile((bs.num_stages, bs.block_kv, spec.qk_dim), dtype),
+        smem_tile((bs.num_stages, bs.block_kv, spec.v_dim), dtype),
+        None if bs.o_reuses_q(spec) else smem_tile((W, bs.rows_per_wg, spec.v_dim), dtype),
         plgpu.SMEM((W, bs.rows_per_wg), jnp.float32),
-        _smem((W, bs.rows_per_wg, bs.block_kv), dtype) if interpret else None,
+        smem_tile((W, bs.rows_per_wg, bs.block_kv), dtype) if interpret else None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.float32) if sink_rows is not None else None,
         plgpu.SMEM((W, bs.rows_per_wg), jnp.uint32) if dropout_hash is not None else None,
-        _smem((bs.num_stages, W, bs.rows_per_wg, bs.block_kv), dtype) if bias is not None else None,
+        smem_tile((bs.num_stages, W, bs.rows_per_wg, bs.block_kv), dtype) if bias is not None else None,
     ] + [plgpu.SMEM((W, bs.rows_per_wg), jnp.int32)] * n_tok + [
         plgpu.SMEM((bs.num_stages, bs.block_kv), jnp.int32)] * n_tok
     barriers = [
@@ -864,19 +658,6 @@ def forward(q: Float[Array, "B T N Dqk"], k: Float[Array, "B S K Dqk"],
     dropout_hash = dropout_row_hash(spec, dropout_seed) if spec.has_dropout else None
     return forward_spec(q, k, v, spec, sink=sink, dropout_hash=dropout_hash,
                         block_sizes=block_sizes, interpret=interpret)
-
-
-def inputs_dropout_hash(inputs: AttentionInputs, spec: AttentionSpec):
-    """`dropout_row_hash` of a call's inputs (None without dropout); NotImplementedError for
-    global key numbers (kv_index), which the kernels' per-element round does not read."""
-    if not spec.has_dropout:
-        return None
-    if inputs.kv_index is not None:
-        raise NotImplementedError(
-            "pallas_mosaic_gpu: dropout with global key numbers (kv_index, context parallelism) "
-            "is not implemented: the kernels hash key indices 0..S-1 from iota")
-    return dropout_row_hash(spec, inputs.dropout_seed, q_index=inputs.q_index,
-                            head_index=inputs.head_index)
 
 
 def attention(inputs: AttentionInputs, spec: AttentionSpec, *,

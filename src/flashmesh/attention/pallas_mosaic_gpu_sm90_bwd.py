@@ -60,6 +60,10 @@ Large head dims (d256, MLA 192/128), whose dK and dV accumulators do not fit the
 together, run the dK/dV kernel twice (`BackwardBlockSizes.split_dkv`): a dV pass (Sᵀ, Pᵀ,
 dV += Pᵀ dO) and a dK pass (Sᵀ, dPᵀ, dSᵀ, dK += dSᵀ Q).
 
+Tiles, their register and shared-memory counts and the default live in
+pallas_mosaic_gpu_sm90_bwd_tiles; argument checks in pallas_mosaic_gpu_inputs; the K/V ring,
+band mask and dropout round shared with the forward in pallas_mosaic_gpu_sm90_parts.
+
 Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte rows), above
 256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
 step's (wgmma_wait(1)), ping-pong between
@@ -75,7 +79,6 @@ Example (sm90 = flashmesh.attention.pallas_mosaic_gpu_sm90, q/k/v/do as sm90.for
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -86,188 +89,20 @@ import numpy as np
 from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-from flashmesh.attention.pallas_mosaic_gpu_common import (
-    REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES, WARPGROUP, WGMMA_M, TileRanges, band_kv_range,
-    check_spec, smem_tile)
-from flashmesh.attention.pallas_mosaic_gpu_sm90 import (LOG2E, band_mask, bias_copy, check_bias,
-                                                         check_dropout_hash, check_tables,
-                                                         dropout_keep, dropout_threshold,
-                                                         stream_kv, table_copies)
+from flashmesh.attention.pallas_mosaic_gpu_common import band_kv_range, check_spec, smem_tile
+from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
+                                                            check_tables, dropout_threshold, pad_to)
+from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import (BackwardBlockSizes, band_q_range,
+                                                                    default_for)
+from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LOG2E, band_mask, bias_copy,
+                                                                dropout_keep, stream_kv, table_copies)
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
-SMEM_SLACK = 2048  # bytes of shared memory beyond the tiles: barriers, 1024-byte alignment
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardBlockSizes:
-    """The backward kernels' tiles (defaults: FA3's 64 x 128 for d128; untuned on an H200).
-
-    block_q, block_kv: the dK/dV kernel's query step (a multiple of 64: the N of Sᵀ, at most
-      256, and the K extent of dV += Pᵀ dO) and key tile per CTA (num_compute_wgs warpgroups
-      of block_kv / num_compute_wgs keys, each a multiple of 64).
-    block_q_dq, block_kv_dq: the dQ kernel's query tile per CTA (split like block_kv) and key
-      step (a multiple of 64, at most 256: the N of S and the K extent of dQ += dS K).
-    num_stages: SMEM ring slots of both kernels' streamed tiles (>= 1).
-    num_compute_wgs: compute warpgroups of both kernels, 1 or 2 (plus one memory warpgroup).
-    compute_registers, memory_registers: setmaxnreg per thread (multiples of 8 in [24, 256]).
-    split_dkv: run the dK/dV kernel twice, once accumulating dV only (Sᵀ, Pᵀ, dV) and once dK
-      only (Sᵀ, dPᵀ, dSᵀ, dK), so that large head dims (d256, MLA 192/128) fit the register
-      file; Sᵀ is computed in both passes (one GEMM more).
-    """
-
-    block_q: int = 64
-    block_kv: int = 128
-    block_q_dq: int = 128
-    block_kv_dq: int = 64
-    num_stages: int = 2
-    num_compute_wgs: int = 2
-    compute_registers: int = 240  # FA3's split of the register file for its backward
-    memory_registers: int = 24
-    split_dkv: bool = False
-
-    def __post_init__(self):
-        def check(name, ok, expected):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not ok(value):
-                raise ValueError(f"BackwardBlockSizes.{name}={value!r} must be {expected}")
-
-        check("num_compute_wgs", lambda w: w in (1, 2), "1 or 2")
-        rows = WGMMA_M * self.num_compute_wgs
-        for name in ("block_kv", "block_q_dq"):
-            check(name, lambda b: b > 0 and b % rows == 0,
-                  f"a positive multiple of 64 * num_compute_wgs = {rows}")
-        for name in ("block_q", "block_kv_dq"):
-            check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
-        check("num_stages", lambda s: s >= 1, ">= 1")
-        if not isinstance(self.split_dkv, bool):
-            raise ValueError(f"BackwardBlockSizes.split_dkv={self.split_dkv!r} must be a bool")
-        for name in ("compute_registers", "memory_registers"):
-            check(name, lambda r: 24 <= r <= 256 and r % 8 == 0, "a multiple of 8 in [24, 256]")
-        per_thread = self.compute_registers * self.num_compute_wgs + self.memory_registers
-        if per_thread * WARPGROUP > REGISTERS_PER_SM:
-            raise ValueError(
-                f"BackwardBlockSizes.compute_registers={self.compute_registers} * num_compute_wgs="
-                f"{self.num_compute_wgs} + memory_registers={self.memory_registers} must be at "
-                f"most {REGISTERS_PER_SM // WARPGROUP}, got {per_thread}")
-
-    def smem_bytes(self, spec: AttentionSpec) -> dict[str, int]:
-        """Shared memory of each kernel on a GPU: {"dkv": K, V tiles + the ring of Q, dO, lse,
-        delta (and dropout's uint32 row hash); "dq": Q, dO, lse, delta (row hash) + the ring
-        of K, V} (the epilogues reuse K/V and Q), plus SMEM_SLACK for the barriers and
-        alignment (Mosaic's count, from lowering for cuda, exceeded the tiles alone by 192 to
-        1632 bytes)."""
-        size, d = jnp.dtype(spec.dtype).itemsize, spec.qk_dim + spec.v_dim
-        row = size * d + (12 if spec.has_dropout else 8)  # Q, dO rows; lse, delta (hash)
-        dkv = self.num_stages * self.block_q * row + size * self.block_kv * d
-        dq = self.block_q_dq * row + self.num_stages * self.block_kv_dq * size * d
-        W, stages = self.num_compute_wgs, self.num_stages
-        dkv += tokens.smem_bytes(spec, self.block_kv, self.block_q, stages, W)  # segments
-        dq += tokens.smem_bytes(spec, self.block_q_dq, self.block_kv_dq, stages, W)
-        if spec.has_bias:  # the ring of bias tiles; dQ also stages its dS tile for dbias
-            dkv += stages * self.block_kv * self.block_q * size + SMEM_SLACK // 2
-            dq += (stages + 1) * self.block_q_dq * self.block_kv_dq * size + SMEM_SLACK // 2
-        return {"dkv": dkv + SMEM_SLACK, "dq": dq + SMEM_SLACK}
-
-    def registers(self, spec: AttentionSpec) -> dict[str, int]:
-        """Accumulator registers per compute thread: dK/dV kernel Sᵀ, dPᵀ, dK, dV in float32
-        plus the 16-bit Pᵀ and dSᵀ that feed the dV and dK GEMMs from registers; dQ kernel S,
-        dP, dQ plus the 16-bit dS (64-row WGMMA tiles spread over a warpgroup's 128 threads)."""
-        kv_rows = self.block_kv // self.num_compute_wgs
-        q_rows = self.block_q_dq // self.num_compute_wgs
-        p16 = kv_rows * self.block_q // (2 * WARPGROUP)  # one 16-bit [rows, block_q] tile
-        if self.split_dkv:  # the dV pass: Sᵀ, dV, Pᵀ; the dK pass: Sᵀ, dPᵀ, dK, dSᵀ
-            dkv = max(kv_rows * (self.block_q + spec.v_dim) // WARPGROUP + p16,
-                      kv_rows * (2 * self.block_q + spec.qk_dim) // WARPGROUP + p16)
-        else:
-            dkv = kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP + 2 * p16
-        return {"dkv": dkv,
-                "dq": q_rows * (2 * self.block_kv_dq + spec.qk_dim) // WARPGROUP
-                + q_rows * self.block_kv_dq // (2 * WARPGROUP)}
-
-    def validate_for(self, spec: AttentionSpec) -> "BackwardBlockSizes":
-        """self, checked against a call (ValueError naming the field that does not fit)."""
-        step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
-        for name in ("block_q", "block_kv_dq"):
-            if getattr(self, name) % step:
-                raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)} must be a "
-                                 f"multiple of {step} for {spec.dtype} (a GEMM's K extent)")
-        for kernel, regs in self.registers(spec).items():
-            if regs > self.compute_registers:
-                raise ValueError(
-                    f"BackwardBlockSizes: the {kernel} kernel's accumulators need {regs} registers "
-                    f"per thread for qk_dim={spec.qk_dim}, v_dim={spec.v_dim}, more than "
-                    f"compute_registers={self.compute_registers}; use smaller blocks")
-        for kernel, smem in self.smem_bytes(spec).items():
-            if smem > SMEM_BYTES:
-                raise ValueError(
-                    f"BackwardBlockSizes(num_stages={self.num_stages}, ...): the {kernel} kernel "
-                    f"needs {smem} bytes of shared memory for qk_dim={spec.qk_dim}, v_dim="
-                    f"{spec.v_dim}, {spec.dtype}; at most {SMEM_BYTES}")
-        return self
-
-
-def default_for(spec: AttentionSpec) -> BackwardBlockSizes:
-    """The untuned default: 64 x 128 dK/dV tiles and 128 x 64 dQ tiles with 2 warpgroups and
-    3 stages where they fit, else 2, else 1; for head dims whose dK and dV accumulators do not
-    fit the registers together (d256, MLA 192/128) the split dK/dV passes, then one warpgroup
-    of 64 keys; NotImplementedError if nothing fits."""
-    shapes = (dict(), dict(block_kv=64, block_q_dq=64, num_compute_wgs=1))
-    for shape in shapes:
-        for split in (False, True):
-            for stages in (3, 2, 1):
-                bs = BackwardBlockSizes(num_stages=stages, split_dkv=split, **shape)
-                if (all(b <= SMEM_BYTES for b in bs.smem_bytes(spec).values())
-                        and all(r <= bs.compute_registers for r in bs.registers(spec).values())):
-                    return bs.validate_for(spec)
-    raise NotImplementedError(f"qk_dim={spec.qk_dim}, v_dim={spec.v_dim}: no backward tiles fit the "
-                              f"register budget and {SMEM_BYTES} bytes of shared memory")
-
-
-def band_q_range(kv_tile, *, q_len: int, kv_len: int, window: tuple[int, int],
-                 diagonal_offset: int, block_q: int, block_kv: int) -> TileRanges:
-    """`q_ranges` of key tile(s) `kv_tile` (int, numpy or traced int32) in closed form, for a
-    band mask (query i at position i + diagonal_offset sees key j iff 0 <= j < kv_len and
-    -right <= i + diagonal_offset - j <= left): the transpose of `band_kv_range`.
-
-    The queries that see a key tile form one interval: [j0 - off - right, j1 - off + left]
-    clipped to [0, T), with j0/j1 its first/last real key. A query tile is FULL iff the key
-    tile has no column past S, its first row is >= j0 + block_kv - 1 - off - right and its last
-    real row (< T) is <= j0 - off + left.
-    """
-    traced = isinstance(kv_tile, jax.Array) and not isinstance(kv_tile, np.ndarray)
-    xp = jnp if traced else np
-    left, right = window
-    off, nq = diagonal_offset, -(-q_len // block_q)
-    kv_tile = xp.asarray(kv_tile)
-    j0 = kv_tile * block_kv
-    j1 = xp.minimum(j0 + block_kv, kv_len) - 1
-    zero = xp.zeros_like(j0)
-    i_lo = xp.maximum(j0 - off - right, 0) if right >= 0 else zero
-    i_hi = xp.minimum(j1 - off + left, q_len - 1) if left >= 0 else xp.full_like(j0, q_len - 1)
-    seen = (i_lo <= i_hi) & (j0 < kv_len)
-    lo, hi = i_lo // block_q, i_hi // block_q + 1
-    f_lo = xp.maximum(-((off + right + 1 - j0 - block_kv) // block_q), 0) if right >= 0 else zero
-    if left >= 0:
-        x = j0 - off + left  # the last row that still sees the tile's first key
-        f_hi = xp.where(q_len - 1 <= x, nq, xp.minimum((x + 1) // block_q, nq - 1))
-    else:
-        f_hi = xp.full_like(j0, nq)
-    has_full = seen & (f_lo < f_hi) & (j0 + block_kv <= kv_len)
-    lo, hi = xp.where(seen, lo, zero), xp.where(seen, hi, zero)
-    f_lo, f_hi = xp.where(has_full, f_lo, lo), xp.where(has_full, f_hi, lo)
-    return TileRanges(*(x.astype(np.int32) for x in (lo, f_lo, f_hi, hi)))
 
 
 # -- pieces shared by both kernels ----------------------------------------------------------------
-
-_smem = smem_tile  # swizzled SMEM tiles (pallas_mosaic_gpu_common.smem_tile)
-
-
-def _pad_to(x, axis: int, multiple: int):
-    extra = -x.shape[axis] % multiple
-    return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
 
 
 def _logits2(s, spec: AttentionSpec, bias=None):
@@ -286,8 +121,6 @@ def _logits2(s, spec: AttentionSpec, bias=None):
         e = jnp.exp2((s * spec.scale + bias) * (2.0 * LOG2E / cap))
     t = 1.0 - 2.0 / (e + 1.0)
     return t * (cap * LOG2E), 1.0 - t * t
-
-
 
 
 def _iota(shape, dim):
@@ -669,12 +502,7 @@ def _check_arrays(q, k, v, out, lse, do, spec: AttentionSpec, sink):
             raise ValueError(f"{name}.dtype={x.dtype} must be spec.dtype={spec.dtype}")
     if lse.dtype != jnp.float32:
         raise ValueError(f"lse.dtype={lse.dtype} must be float32")
-    if spec.softmax == "learnable":
-        if sink is None or sink.shape != (N,):
-            raise ValueError(f"softmax='learnable' needs sink of shape ({N},), got "
-                             f"{None if sink is None else sink.shape}")
-    elif sink is not None:
-        raise ValueError(f"sink must be None for softmax={spec.softmax!r}")
+    check_sink(spec, sink)
 
 
 def _launch(kernel, inputs, out_type, smem, barriers, grid, grid_names, bs, interpret):
@@ -727,13 +555,13 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
         arrays = tokens.kernel_arrays(spec, tables, bq, bs.block_kv, q_len=q.shape[1],
                                       kv_len=k.shape[1], transpose=True, num_tiles=grid[0])
         tok = (arrays.ranges, arrays.q_side, arrays.kv_side)
-    smem = [_smem((W, rows, spec.qk_dim), dtype), _smem((W, rows, spec.v_dim), dtype),
-            _smem((stages, bq, spec.qk_dim), dtype), _smem((stages, bq, spec.v_dim), dtype),
+    smem = [smem_tile((W, rows, spec.qk_dim), dtype), smem_tile((W, rows, spec.v_dim), dtype),
+            smem_tile((stages, bq, spec.qk_dim), dtype), smem_tile((stages, bq, spec.v_dim), dtype),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-            _smem((W, rows, bq), dtype) if interpret else None,
-            _smem((W, rows, bq), dtype) if interpret else None,
+            smem_tile((W, rows, bq), dtype) if interpret else None,
+            smem_tile((W, rows, bq), dtype) if interpret else None,
             plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None,
-            _smem((stages, W, rows, bq), dtype) if bias_t is not None else None]
+            smem_tile((stages, W, rows, bq), dtype) if bias_t is not None else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bq), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
@@ -769,13 +597,13 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):
         arrays = tokens.kernel_arrays(spec, tables, bs.block_q_dq, bkv, q_len=q.shape[1],
                                       kv_len=k.shape[1], num_tiles=grid[0])
         tok = (arrays.ranges, arrays.q_side, arrays.kv_side)
-    smem = [_smem((W, rows, spec.qk_dim), dtype), _smem((W, rows, spec.v_dim), dtype),
+    smem = [smem_tile((W, rows, spec.qk_dim), dtype), smem_tile((W, rows, spec.v_dim), dtype),
             plgpu.SMEM((W, rows), jnp.float32), plgpu.SMEM((W, rows), jnp.float32),
-            _smem((stages, bkv, spec.qk_dim), dtype), _smem((stages, bkv, spec.v_dim), dtype),
-            _smem((W, rows, bkv), dtype) if interpret else None,
+            smem_tile((stages, bkv, spec.qk_dim), dtype), smem_tile((stages, bkv, spec.v_dim), dtype),
+            smem_tile((W, rows, bkv), dtype) if interpret else None,
             plgpu.SMEM((W, rows), jnp.uint32) if dropout else None,
-            _smem((stages, W, rows, bkv), dtype) if bias is not None else None,
-            _smem((W, rows, bkv), dtype) if bias is not None else None]
+            smem_tile((stages, W, rows, bkv), dtype) if bias is not None else None,
+            smem_tile((W, rows, bkv), dtype) if bias is not None else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bkv), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W) for _ in range(4)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(2)]
@@ -845,15 +673,15 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     # Tails: zero-pad T and S to multiples of both kernels' tiles. Padded query rows get
     # q = dO = lse = delta = 0 (finite P, exactly zero dS and dV terms); padded keys are masked.
     q_mult, kv_mult = np.lcm(bs.block_q, bs.block_q_dq), np.lcm(bs.block_kv, bs.block_kv_dq)
-    qp, dop = _pad_to(q, 1, int(q_mult)), _pad_to(do.astype(q.dtype), 1, int(q_mult))
-    kp, vp = _pad_to(k, 1, int(kv_mult)), _pad_to(v, 1, int(kv_mult))
-    lse2 = _pad_to(lse * jnp.float32(LOG2E), 2, int(q_mult))
-    delta = _pad_to(delta, 2, int(q_mult))
+    qp, dop = pad_to(q, 1, int(q_mult)), pad_to(do.astype(q.dtype), 1, int(q_mult))
+    kp, vp = pad_to(k, 1, int(kv_mult)), pad_to(v, 1, int(kv_mult))
+    lse2 = pad_to(lse * jnp.float32(LOG2E), 2, int(q_mult))
+    delta = pad_to(delta, 2, int(q_mult))
     if dropout_hash is not None:  # padded rows have dO = 0: their hash does not matter
-        dropout_hash = _pad_to(dropout_hash, 2, int(q_mult))
+        dropout_hash = pad_to(dropout_hash, 2, int(q_mult))
     bias_p = bias_t = None
     if bias is not None:  # zero-padded like q, k; the dK/dV kernel reads it transposed
-        bias_p = _pad_to(_pad_to(bias.astype(q.dtype), 2, int(q_mult)), 3, int(kv_mult))
+        bias_p = pad_to(pad_to(bias.astype(q.dtype), 2, int(q_mult)), 3, int(kv_mult))
         bias_t = bias_p.swapaxes(2, 3)
     dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs, interpret)
     dq, dbias = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_p, tables, spec, bs, interpret)
@@ -869,11 +697,7 @@ def _reduce_dbias(dbias, spec: AttentionSpec, tables, bs: BackwardBlockSizes):
     bias broadcasts (B or N of size 1)."""
     from flashmesh.attention import masks
 
-    inputs = AttentionInputs(q=None, k=None, v=None)
-    if tables is not None:
-        inputs = AttentionInputs(q=None, k=None, v=None, q_segment_ids=tables.q_segment_ids,
-                                 kv_segment_ids=tables.kv_segment_ids,
-                                 q_positions=tables.q_positions, kv_positions=tables.kv_positions)
+    inputs = AttentionInputs(q=None, k=None, v=None) if tables is None else tables.as_inputs()
     classes = masks.block_map(spec, inputs, bs.block_q_dq, bs.block_kv_dq)  # [B|1, nq, nk]
     seen = jnp.repeat(jnp.repeat(jnp.asarray(classes != masks.EMPTY), bs.block_q_dq, axis=1),
                       bs.block_kv_dq, axis=2)[:, None, :spec.q_len, :spec.kv_len]

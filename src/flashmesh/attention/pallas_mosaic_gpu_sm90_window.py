@@ -28,11 +28,11 @@ that see no key (out 0, lse EMPTY_ROW_LSE or the sink). Not here (the general ke
 them): unbounded windows, dropout, segments, bias. The backward is the general one
 (pallas_mosaic_gpu_sm90_bwd), which reads only (out, lse).
 
-Interpret mode: P·V goes through SMEM into a fresh accumulator (`sm90._pv_from_smem`), as in
+Interpret mode: P·V goes through SMEM into a fresh accumulator (`pallas_mosaic_gpu_sm90_parts.pv_from_smem`), as in
 the general kernel.
 
 Example:
-    >>> spec = sm90.spec_for(q, k, v, scale=0.125, window=(128, 0))
+    >>> spec = pallas_mosaic_gpu_inputs.spec_for(q, k, v, scale=0.125, window=(128, 0))
     >>> out, lse = forward_spec(q, k, v, spec, interpret=True)
 """
 
@@ -44,9 +44,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+from flashmesh.attention import pallas_mosaic_gpu_sm90_parts as parts
 from flashmesh.attention.pallas_mosaic_gpu_common import (WINDOW_ROWS, WindowBlockSizes,
-                                                            band_kv_range, check_spec, window_reason)
+                                                            band_kv_range, check_spec, smem_tile,
+                                                            window_reason)
+from flashmesh.attention.pallas_mosaic_gpu_inputs import check_sink, pad_to
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionSpec
 
 ROWS = WINDOW_ROWS
@@ -87,8 +89,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     load_q(0, 0)
     plgpu.barrier_wait(kv_ready.at[0])
     plgpu.barrier_wait(kv_ready.at[1])
-    pv = sm90._pv_from_smem if interpret else sm90._pv_from_registers
-    scale2 = spec.scale * sm90.LOG2E
+    pv = parts.pv_from_smem if interpret else parts.pv_from_registers
+    scale2 = spec.scale * parts.LOG2E
     cap = spec.logits_soft_cap
     kv_tail = spec.kv_len % bkv != 0 or nb * bkv > spec.kv_len
 
@@ -110,18 +112,18 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
             load_q(t + 1, 1 - buf)
 
         if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
-            e = jnp.exp2(s * (2.0 * sm90.LOG2E * spec.scale / cap))
-            s = (1.0 - 2.0 / (e + 1.0)) * (cap * sm90.LOG2E)
+            e = jnp.exp2(s * (2.0 * parts.LOG2E * spec.scale / cap))
+            s = (1.0 - 2.0 / (e + 1.0)) * (cap * parts.LOG2E)
         else:
             s = s * scale2
         # (indices made here, not before the loop, so they are not live across it)
         i = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 0, layout=plgpu.Layout.WGMMA)
         j = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 1, layout=plgpu.Layout.WGMMA)
-        s = sm90.band_mask(s, i + (row0 + spec.diagonal_offset), j + lo * bkv, spec, kv_tail)
+        s = parts.band_mask(s, i + (row0 + spec.diagonal_offset), j + lo * bkv, spec, kv_tail)
         m = s.max(axis=1)
         row = plgpu.Layout.WGMMA.reduce(1)
         if spec.softmax != "vanilla":  # the sink is one more logit z with no value
-            z = 0.0 if sink_ref is None else sink_ref[head] * sm90.LOG2E
+            z = 0.0 if sink_ref is None else sink_ref[head] * parts.LOG2E
             z = plgpu.layout_cast(jnp.full((ROWS,), z, jnp.float32), row)
             m = jnp.maximum(m, z)
         m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a row with no key: exact zeros, no NaN
@@ -135,7 +137,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         seen = l > 0.0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         o = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-        lse = jnp.where(seen, (m_safe + jnp.log(jnp.where(seen, l, 1.0)) * sm90.LOG2E) * sm90.LN2,
+        lse = jnp.where(seen, (m_safe + jnp.log(jnp.where(seen, l, 1.0)) * parts.LOG2E) * parts.LN2,
                         EMPTY_ROW_LSE)
         plgpu.commit_smem()  # every warp is past its reads of Q before O overwrites it
         o_smem.at[wg, buf][...] = o
@@ -157,22 +159,18 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
     check_spec(spec, "window forward")
     if (why := window_reason(spec, bs)) is not None:
         raise NotImplementedError(f"pallas_mosaic_gpu_sm90_window: {why}")
-    if spec.softmax == "learnable":
-        if sink is None or sink.shape != (spec.num_heads,):
-            raise ValueError(f"softmax='learnable' needs sink of shape ({spec.num_heads},), got "
-                             f"{None if sink is None else sink.shape}")
+    check_sink(spec, sink)
+    if sink is not None:
         sink = sink.astype(jnp.float32)
-    elif sink is not None:
-        raise ValueError(f"sink must be None for softmax={spec.softmax!r}")
     nb, W, dtype = bs.band_tiles(spec), bs.num_compute_wgs, jnp.dtype(spec.dtype)
-    q = sm90._pad_to(q, 1, ROWS)
-    k, v = sm90._pad_to(k, 1, bs.block_kv), sm90._pad_to(v, 1, bs.block_kv)
+    q = pad_to(q, 1, ROWS)
+    k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
     band, Tp = nb * bs.block_kv, q.shape[1]
-    scratch = [sm90._smem((band, spec.qk_dim), dtype), sm90._smem((band, spec.v_dim), dtype),
-               sm90._smem((W, 2, ROWS, spec.qk_dim), dtype),
-               None if spec.qk_dim == spec.v_dim else sm90._smem((W, 2, ROWS, spec.v_dim), dtype),
+    scratch = [smem_tile((band, spec.qk_dim), dtype), smem_tile((band, spec.v_dim), dtype),
+               smem_tile((W, 2, ROWS, spec.qk_dim), dtype),
+               None if spec.qk_dim == spec.v_dim else smem_tile((W, 2, ROWS, spec.v_dim), dtype),
                plgpu.SMEM((W, 2, ROWS), jnp.float32),
-               sm90._smem((W, ROWS, band), dtype) if interpret else None,
+               smem_tile((W, ROWS, band), dtype) if interpret else None,
                plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2 * W)]
 
     def entry(q_ref, k_ref, v_ref, *refs):

@@ -45,6 +45,12 @@ class TokenTables(NamedTuple):
     q_positions: jax.Array
     kv_positions: jax.Array
 
+    def as_inputs(self) -> AttentionInputs:
+        """The tables as the mask fields of an AttentionInputs (what masks.block_map reads)."""
+        return AttentionInputs(q=None, k=None, v=None, q_segment_ids=self.q_segment_ids,
+                               kv_segment_ids=self.kv_segment_ids, q_positions=self.q_positions,
+                               kv_positions=self.kv_positions)
+
 
 class KernelArrays(NamedTuple):
     """What a kernel reads: ranges int32 [B, n, 4] (lo, full_lo, full_hi, hi per tile of its
@@ -108,11 +114,8 @@ def kernel_arrays(spec: AttentionSpec, tables: TokenTables, block_q: int, block_
     transpose=True per key tile the query tiles (the KV-stationary kernel's loop). num_tiles:
     the kernel's grid along its stationary axis when the padding adds whole tiles past the
     map (they get empty ranges: lo == hi == 0)."""
-    inputs = AttentionInputs(q=None, k=None, v=None, q_segment_ids=tables.q_segment_ids,
-                             kv_segment_ids=tables.kv_segment_ids, q_positions=tables.q_positions,
-                             kv_positions=tables.kv_positions)
     get = common.q_ranges if transpose else common.kv_ranges
-    r = get(spec, block_q, block_kv, inputs)
+    r = get(spec, block_q, block_kv, tables.as_inputs())
     ranges = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (spec.batch, x.shape[-1]))
                         for x in r], axis=-1)
     if num_tiles is not None and num_tiles > ranges.shape[1]:

@@ -1,0 +1,133 @@
+"""In-kernel pieces the Mosaic GPU attention kernels share (forward, dK/dV and dQ, window):
+the memory warpgroup's K/V ring with its extra copies (segment tables, bias tiles), the band
+mask, the last round of the dropout hash, and O += P V in the GPU's and the interpreter's forms.
+
+Shape legend: rows query rows of a warpgroup, bkv keys per tile; WGMMA layouts throughout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from flashmesh.attention import masks
+from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
+from flashmesh.attention.spec import AttentionSpec
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def dropout_keep(row_hash, key0, shape, key_dim: int, threshold: int):
+    """In a kernel: the last round of masks.dropout_keep over a tile, bool `shape` (WGMMA
+    layout). row_hash: `dropout_row_hash` of the tile's queries, a uint32 vector along the
+    other dim (WGMMA row or column layout); the keys are key0 + iota along key_dim (key0 an
+    int32 scalar). (key0 + j) * M = key0 * M + j * M modulo 2**32, so the scalar part joins the
+    vector and each element pays one multiply-add before the mixer."""
+    u = jnp.uint32
+    base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
+    keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
+    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
+    return masks._mix32(x) >= u(threshold)
+
+
+def pv_from_registers(acc, p16, v_tile, p_smem, during):
+    """O += P V with P as WGMMA's register operand, accumulated in place (FA3); `during()` runs
+    while the GEMM is in flight."""
+    del p_smem
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_tile)
+        during()
+
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+
+def pv_from_smem(acc, p16, v_tile, p_smem, during):
+    """O += P V with P staged in SMEM and a fresh accumulator (what interpret mode runs)."""
+    p_smem[...] = p16
+    plgpu.commit_smem()  # make the generic-proxy stores visible to WGMMA's async proxy
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_tile)
+        during()
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def table_copies(tok_refs, smems, ready, batch, block: int) -> tuple:
+    """`stream_kv` extras for the streamed side's token tables (segments): tile `step` of each
+    table [B, L] into its ring slot."""
+    def copy(ref, smem, arrived):
+        def issue(step, slot):
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(step * block, block)], smem.at[slot],
+                                    arrived.at[slot])
+        return issue
+
+    return tuple(copy(*x) for x in zip(tok_refs[2], smems, ready)) if tok_refs else ()
+
+
+def bias_copy(bias_ref, smem, ready, batch, head, row0, rows: int, num_wgs: int, block: int):
+    """A `stream_kv` extra: the bias of query rows row0 .. row0 + num_wgs * rows and key tile
+    `step`, one TMA per compute warpgroup into smem [stages, W, rows, block] (the ready barrier
+    expects W arrivals). bias_ref [B|1, N|1, Tp, Sp]: a broadcast dim reads index 0."""
+    b = batch if bias_ref.shape[0] > 1 else 0
+    n = head if bias_ref.shape[1] > 1 else 0
+
+    def issue(step, slot):
+        for w in range(num_wgs):
+            plgpu.copy_gmem_to_smem(
+                bias_ref.at[b, n, pl.ds(row0 + w * rows, rows), pl.ds(step * block, block)],
+                smem.at[slot, w], ready.at[slot])
+    return issue
+
+
+def band_mask(s, q_pos, key, spec: AttentionSpec, kv_tail: bool):
+    """s with -inf where query position q_pos does not see key index key (same shapes): the
+    window's bounds, and with kv_tail the padded keys past S (forward and backward kernels)."""
+    left, right = spec.window
+    d = q_pos - key
+    visible = []
+    if left >= 0:
+        visible.append(d <= left)
+    if right >= 0:
+        visible.append(d >= -right)
+    if kv_tail:  # padded keys past S get zero weight
+        visible.append(key < spec.kv_len)
+    return jnp.where(functools.reduce(operator.and_, visible), s, -jnp.inf)
+
+
+def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int, stages: int, slot_of,
+              extra=()):
+    """The memory warpgroup's K/V ring (forward and dQ kernels): for key tiles lo .. hi - 1,
+    wait until the slot's last reader released it (from the `stages`-th tile on), then TMA K
+    and V into it, each with its own ready barrier (so P·V waits only for V). `extra`:
+    callables issue(step, slot) that copy more of the key tile's data (segment tables, bias)
+    after V into the same slot, released with V. Then observe the
+    release of the last (up to `stages`) slots too, so every phase of the consumed barriers is
+    waited for exactly once (the interpreter checks this at deallocation; on hardware it keeps
+    the phases in step). refs, smems, ready, consumed: (K, V) pairs; slot_of(step) -> slot."""
+    @pl.loop(lo, hi)
+    def _(step):
+        slot, reuse = slot_of(step), step - lo >= stages
+        rows = (batch, pl.ds(step * bkv, bkv), kv_head)
+        for ref, smem, arrived, released in zip(refs, smems, ready, consumed):
+            @pl.when(reuse)
+            def _():
+                plgpu.barrier_wait(released.at[slot])
+
+            plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], arrived.at[slot])
+        for issue in extra:
+            issue(step, slot)
+
+    @pl.loop(jnp.maximum(hi - stages, lo), hi)
+    def _(step):
+        for released in consumed:
+            plgpu.barrier_wait(released.at[slot_of(step)])
