@@ -45,6 +45,38 @@ def test_refused_off_gpu_with_the_reason():
             flashmesh.attention(q, q, q, implementation="pallas_mosaic_gpu")
 
 
+@pytest.mark.parametrize("kw", [
+    dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), dict(mask="causal", window=(64, 0)),
+    dict(mask="none", window=(-1, 16))])
+def test_automatic_choice_keeps_the_calls_it_measured_faster(kw):
+    # Dropout (cuDNN cannot draw flashmesh's mask) and sliding windows: never passed to cuDNN.
+    assert pallas_mosaic_gpu.automatic_reason(_spec(**kw), "gpu") is None
+
+
+def test_automatic_choice_keeps_mla_dims():
+    q = jnp.zeros((1, 128, 4, 128), jnp.bfloat16)
+    v = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
+    assert pallas_mosaic_gpu.automatic_reason(normalize(q, q, v)[1], "gpu") is None
+
+
+@pytest.mark.gpu
+def test_gpu_automatic_choice():
+    """cuDNN keeps causal attention without a window; the kernels take dropout, sliding windows
+    and MLA dims, and the automatic call equals the named one."""
+    q = jax.random.normal(jax.random.key(1), (2, 256, 4, 64), jnp.bfloat16)
+    assert flashmesh.explain(q, q, q, mask="causal").chosen == "cudnn"
+    rows = {row.name: row for row in flashmesh.explain(q, q, q, mask="causal").rows}
+    assert "measured faster" in rows["pallas_mosaic_gpu"].declines
+    key = jax.random.key(2)
+    for kw in (dict(mask="causal", dropout_rate=0.1, dropout_rng=key), dict(mask="causal", window=(64, 0)),
+               dict(mask="none", window=(32, 32))):
+        assert flashmesh.explain(q, q, q, **kw).chosen == "pallas_mosaic_gpu", kw
+        np.testing.assert_array_equal(flashmesh.attention(q, q, q, **kw),
+                                      flashmesh.attention(q, q, q, implementation="pallas_mosaic_gpu", **kw))
+    v = q[..., :32]
+    assert flashmesh.explain(q, q, v, mask="causal").chosen == "pallas_mosaic_gpu"
+
+
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / np.linalg.norm(b)

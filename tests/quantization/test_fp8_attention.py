@@ -430,8 +430,7 @@ def test_support_reasons(name):
                                 dict(H=64, is_training=False, recipe=RECIPE),
                                 dict(device=cudnn.Device(91900, (10, 0)))])
 def test_supported(kw):
-    # Supported in every respect but the measured wrong results, which disable it everywhere.
-    assert _support(**kw) == fa8.KNOWN_WRONG
+    assert _support(**kw) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,8 +446,6 @@ def _rel(got, want):
 
 @functools.partial(jax.jit, static_argnames=("causal", "kern"))
 def _gpu_step(q, k, v, state, g, *, causal, kern=fa8.CUDNN_KERNELS):
-    # The cuDNN kernels are passed explicitly: the support check refuses them (KNOWN_WRONG),
-    # and these tests measure the kernels themselves.
     """(out, (dq, dk, dv, new state)); kern None is cuDNN. Arrays are arguments, not constants
     closed over, so XLA does not constant-fold the inputs' reductions."""
     f = lambda q, k, v, s: fa8.fp8_attention(q, k, v, s, RECIPE, causal=causal,  # noqa: E731
@@ -556,13 +553,10 @@ def test_gpu_references_keep_their_fp8_rounding(causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason=fa8.KNOWN_WRONG)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_cudnn_fp8_against_float32(causal):
     """cuDNN's error from float32 within 1.5x (+0.002) of the full emulation's and 3x of the
-    inputs-only one (CPU_ERRORS). Strict xfail while KNOWN_WRONG disables the kernels: an
-    XPASS(strict) here (with test_gpu_references_keep_their_fp8_rounding passing) says cuDNN is
-    right and KNOWN_WRONG can go."""
+    inputs-only one (CPU_ERRORS); passed (as a strict-xfail XPASS) on the H200 on 2026-12-01."""
     q, k, v, g = _inputs(GPU_SHAPE, jnp.bfloat16, seed=1)
     want, inputs_only = _f32_and_inputs_only(q, k, v, g, causal)
     state = _gpu_step(q, k, v, fa8.init_state(4), g, causal=causal)[1][3]  # calibrate the scales
@@ -609,8 +603,7 @@ def test_gpu_scales_update_over_steps(causal):
 @pytest.mark.gpu
 def test_gpu_support_here():
     q, k, v, _ = _inputs(GPU_SHAPE, jnp.bfloat16)
-    # Supported in every other respect; refused for the wrong results measured here.
-    assert fa8.fp8_attention_support(q, k, v, mask="causal", recipe=RECIPE) == fa8.KNOWN_WRONG
+    assert fa8.fp8_attention_support(q, k, v, mask="causal", recipe=RECIPE) is None
 
 
 @pytest.mark.gpu

@@ -26,11 +26,13 @@ Dropout: `sm90.dropout_row_hash` turns the seed (and q_index, head_index) into p
 hashes, uint32 [B, N, T], outside the custom VJP. The forward and both backward kernels read
 them, so the seed never reaches the kernels and is not differentiated.
 
-Not in the automatic order yet (registry.AUTO_ORDER says when it joins); `explain` lists it.
-Measured on the H200 (diagnosis probe, benchmarks/results/2026-12-01-nvidia-h200-gpu-tests/
-probe_mosaic_2.log, 20 calls back to back, bf16): forward 0.97x cuDNN on causal_8k_h32_d128
-and 0.83x on seed000_gqa_swa (ping-pong, no intra-warpgroup overlap); forward + backward 1.22x
-cuDNN on the first and 0.75x on the second (that run's forward still had the overlap on).
+In the automatic order on a GPU, first for the calls it measured faster than cuDNN, or that
+cuDNN cannot run (`automatic_reason`); cuDNN keeps full and causal attention without a window.
+Measured on the H200 (`flashmesh bench --preset anchors`, benchmarks/results/
+2026-12-01-nvidia-h200-anchors, bf16, fwd / fwd+bwd against cuDNN in the same run): sliding
+window seed000_gqa_swa 1.75x / 1.43x; full_4k_h16_d128 0.90x / 0.90x; causal_8k_h32_d128
+1.02x / 0.95x; causal_8k_h32_d64 1.09x / 0.93x; gqa_causal_16k 1.03x / 0.93x; MLA 128/64
+(cuDNN cannot) 448 / 359 TFLOP/s.
 """
 
 from __future__ import annotations
@@ -77,8 +79,21 @@ def static_reason(spec: AttentionSpec) -> str | None:
     return None
 
 
+def automatic_reason(spec: AttentionSpec, platform: str) -> str | None:
+    """Why the automatic choice passes this call to cuDNN: cuDNN runs it, and on calls of its
+    kind (no dropout, no sliding window, Dqk == Dv) cuDNN measured faster (module docstring)."""
+    from flashmesh.attention import cudnn
+
+    sliding = spec.window[0] >= 0 or spec.window[1] > 0
+    if spec.has_dropout or sliding or spec.qk_dim != spec.v_dim:
+        return None
+    if cudnn.unsupported_reason(spec, platform, automatic=True) is not None:
+        return None
+    return ("cuDNN runs this call and measured faster on full and causal attention without a "
+            "window (fwd+bwd 0.90-0.95x of cuDNN, benchmarks/results/2026-12-01-nvidia-h200-anchors)")
+
+
 def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = False) -> str | None:
-    del automatic  # runs every call it accepts at kernel speed
     if platform != "gpu":
         return f"needs an NVIDIA Hopper GPU (platform is {platform!r})"
     reason = static_reason(spec) or _device_reason()
@@ -87,6 +102,8 @@ def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = 
             config(spec)
         except (NotImplementedError, ValueError) as e:
             reason = f"no tile configuration fits this call: {e}"
+    if reason is None and automatic:
+        reason = automatic_reason(spec, platform)
     return reason
 
 

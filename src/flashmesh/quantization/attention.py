@@ -266,24 +266,12 @@ def spec_reason(spec: AttentionSpec, *, is_training: bool = True) -> str | None:
 #      emulated effect, amax_dP 0.166 vs 0.741 (causal, seed 2), matches the H200's 0.16 vs 0.74.
 #      Fix: `_cudnn_backward` binds in XLA_BWD_KEYS order (cudnn_backward_operands).
 # H200 run of 2026-12-01 with both fixes: the amaxes of s, o, dp, dq, dk, dv match the
-# emulation (test_gpu_scales_update_over_steps passes); the accuracy test failed with cuDNN at
-# out 0.058 / 0.052, dq 0.071 / 0.069, dk 0.071 / 0.070, dv 0.060 / 0.055 (relative to float32,
-# unmasked / causal) against "emulation" 0.023 / 0.004 / 0.003 / 0.027 and "inputs-only" 0.0000.
-# Diagnosis (by reading, /work/notes/fp8_attention_diagnosis.md): the references were wrong, not
-# cuDNN. XLA:GPU's SimplifyFPConversions (on with xla_allow_excess_precision, the default)
-# folds convert(convert(x, f8e4m3fn), f32) into x, so on the GPU the test's emulation and
-# inputs-only reference lost most of their FP8 rounding (inputs-only 0.0000 is impossible
-# otherwise). On CPU the same emulation gives out 0.0581 / 0.0522, dq 0.0710 / 0.0694, dk
-# 0.0707 / 0.0696, dv 0.0604 / 0.0547: cuDNN's numbers to 3 digits. Every scale and descale
-# this file passes agrees with cudnn-frontend's SDPA FP8 graphs (x8 = x * scale, descale =
-# 1 / scale; O, dQ, dK, dV come back in e4m3 and are dequantised here). The test emulation now
-# puts an optimization barrier on each e4m3 value; until the GPU tests pass with it
-# (test_gpu_references_keep_their_fp8_rounding, then test_gpu_cudnn_fp8_against_float32 as an
-# XPASS) the refusal stays.
-KNOWN_WRONG = ("flashmesh's cuDNN FP8 attention is disabled until a GPU run confirms it: its "
-               "H200 accuracy check (jax 0.11.2, CUDA 13) failed against references that XLA:GPU "
-               "had stripped of their FP8 rounding; its errors (out 0.058, dq 0.071 unmasked) "
-               "equal the CPU emulation's, so the kernels look right but are unconfirmed")
+# emulation (test_gpu_scales_update_over_steps). The first accuracy check failed only because its
+# references were wrong: XLA:GPU's SimplifyFPConversions folds convert(convert(x, f8e4m3fn), f32)
+# into x, so the emulation lost its FP8 rounding (/work/notes/fp8_attention_diagnosis.md). With
+# an optimization barrier on each e4m3 value the references keep their rounding on the GPU
+# (test_gpu_references_keep_their_fp8_rounding) and cuDNN's errors from float32 are within 1.5x
+# of the full emulation's (test_gpu_cudnn_fp8_against_float32), on the H200 on 2026-12-01.
 
 
 def device_reason(device: cudnn.Device, *, is_training: bool = True) -> str | None:
@@ -304,7 +292,7 @@ def device_reason(device: cudnn.Device, *, is_training: bool = True) -> str | No
     if cc[0] == 10 and is_training and ver < CUDNN_BLACKWELL_BWD:
         return (f"the FP8 attention backward on {name} needs cuDNN >= "
                 f"{version(CUDNN_BLACKWELL_BWD)}, found {version(ver)}")
-    return KNOWN_WRONG
+    return None
 
 
 def _where_reason(reason: str | None, device, is_training: bool) -> str | None:
