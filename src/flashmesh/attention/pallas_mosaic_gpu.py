@@ -26,8 +26,9 @@ Dropout: `sm90.dropout_row_hash` turns the seed (and q_index, head_index) into p
 hashes, uint32 [B, N, T], outside the custom VJP. The forward and both backward kernels read
 them, so the seed never reaches the kernels and is not differentiated.
 
-In the automatic order on a GPU, first for the calls it measured faster than cuDNN, or that
-cuDNN cannot run (`automatic_reason`); cuDNN keeps full and causal attention without a window.
+In the automatic order on a GPU, first for dropout and sliding windows (faster than cuDNN, or
+cuDNN cannot run them) and for any call cuDNN cannot run (`automatic_reason`); cuDNN keeps the
+rest (full and causal attention without a window, MLA dims where its version runs them).
 Measured on the H200 (`flashmesh bench --preset anchors`, benchmarks/results/
 2026-12-01-nvidia-h200-anchors, bf16, fwd / fwd+bwd against cuDNN in the same run): sliding
 window seed000_gqa_swa 1.75x / 1.43x; full_4k_h16_d128 0.90x / 0.90x; causal_8k_h32_d128
@@ -81,16 +82,18 @@ def static_reason(spec: AttentionSpec) -> str | None:
 
 def automatic_reason(spec: AttentionSpec, platform: str) -> str | None:
     """Why the automatic choice passes this call to cuDNN: cuDNN runs it, and on calls of its
-    kind (no dropout, no sliding window, Dqk == Dv) cuDNN measured faster (module docstring)."""
+    kind (no dropout, no sliding window) cuDNN measured faster or not measurably slower (module
+    docstring; MLA 128/64 within a few percent of cuDNN, in different runs)."""
     from flashmesh.attention import cudnn
 
     sliding = spec.window[0] >= 0 or spec.window[1] > 0
-    if spec.has_dropout or sliding or spec.qk_dim != spec.v_dim:
+    if spec.has_dropout or sliding:
         return None
     if cudnn.unsupported_reason(spec, platform, automatic=True) is not None:
         return None
     return ("cuDNN runs this call and measured faster on full and causal attention without a "
-            "window (fwd+bwd 0.90-0.95x of cuDNN, benchmarks/results/2026-12-01-nvidia-h200-anchors)")
+            "window (these kernels' fwd+bwd: 0.90-0.95x of cuDNN's speed, "
+            "benchmarks/results/2026-12-01-nvidia-h200-anchors)")
 
 
 def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = False) -> str | None:
