@@ -3,9 +3,13 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune
+#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune | profile
+#   profile: benchmarks/probe_layer.py --profile (the guide's TransformerLayer step, bf16 and FP8,
+#   traced; where its GPU time goes, by category, XLA op and kernel) into $OUT/profile.log.
 #   The device's copy of .git may be older than the tree sent: pass the commit as
-#   FLASHMESH_COMMIT=$(git rev-parse --short=12 HEAD) so the reports name the right one.
+#   FLASHMESH_COMMIT=<hash> so the reports name the right one, the hash written out in the
+#   command: the command runs on the device, where $(git rev-parse HEAD) gives the stale HEAD
+#   (2026-12-01: two reports named the previous commit and were corrected by hand).
 #   tune: `flashmesh tune` (TUNE_ARGS for options); the updated config table comes back as
 #   $OUT/pallas_mosaic_gpu_configs.json.
 #   Results are written straight under $OUT/benchmarks/results (as each row is measured), so a
@@ -58,6 +62,9 @@ for step in "$@"; do
       timeout --signal=TERM "$limit" python3 -m flashmesh tune --no-progress ${TUNE_ARGS:-} \
         --out "$OUT/benchmarks/results" 2>&1 | tee -a "$OUT/tune.log" | tail -30
       cp src/flashmesh/attention/pallas_mosaic_gpu_configs.json "$OUT/" ;;
+    profile)
+      mkdir -p /tmp/flashmesh-trace
+      timeout "$limit" python3 benchmarks/probe_layer.py --profile /tmp/flashmesh-trace 2>&1 | tee -a "$OUT/profile.log" ;;
     example)
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" ;;

@@ -1,7 +1,14 @@
 """Diagnosis only (numbers are claimed from `flashmesh bench --preset layer`): time the guide's
-TransformerLayer fwd+bwd in bf16 and FP8 at the guide's size and count the FP8 GEMMs."""
+TransformerLayer fwd+bwd in bf16 and FP8 at the guide's size and count the FP8 GEMMs.
+
+`--profile DIR` also traces 5 steps with jax.profiler into DIR and prints where a step's GPU
+time goes: per category (GEMM, attention, other kernels), then the longest XLA ops and kernels.
+"""
+import collections
+import glob
 import re
 import sys
+import tempfile
 import time
 
 import jax
@@ -22,6 +29,40 @@ layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=F, num_attention
                                  layernorm_epsilon=1e-5, use_bias=True, intermediate_dropout=0.0,
                                  enable_relative_embedding=False, self_attn_bias_type="no_bias",
                                  hidden_dropout=0.0)
+
+
+GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul", re.I)
+ATTENTION = re.compile(r"mosaic|fmha|cudnn|flash|attention", re.I)
+
+
+def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
+    """Per-step GPU time of a jax.profiler trace, by category and by op / kernel name."""
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not files:
+        return f"no trace under {trace_dir}"
+    ops, kernels = collections.Counter(), collections.Counter()
+    for plane in ProfileData.from_file(files[-1]).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            into = ops if line.name == "XLA Ops" else kernels if line.name.startswith("Stream") else None
+            if into is not None:
+                for event in line.events:
+                    into[event.name] += event.duration_ns / 1e6 / steps
+    if not kernels:
+        return "no GPU kernels in the trace (not a GPU run?)"
+    total = sum(kernels.values())
+    cats = collections.Counter()
+    for name, ms in kernels.items():
+        cats["GEMM" if GEMM.search(name) else "attention" if ATTENTION.search(name) else "other"] += ms
+    lines = [f"GPU kernel time per step: {total:.3f} ms; "
+             + ", ".join(f"{c} {ms:.3f} ms ({100 * ms / total:.1f}%)" for c, ms in cats.most_common())]
+    for title, table in (("XLA ops", ops), ("kernels", kernels)):
+        lines.append(f"longest {title} (ms per step):")
+        lines += [f"  {ms:8.3f}  {name[:150]}" for name, ms in table.most_common(top)]
+    return "\n".join(lines)
 
 
 def run(fp8):
@@ -58,6 +99,13 @@ def run(fp8):
     times.sort()
     print(f"fp8={fp8}: median {times[10]*1e3:.2f} ms, back-to-back {b2b*1e3:.2f} ms; gemms {gemms} triton {triton}",
           flush=True)
+    if "--profile" in sys.argv:
+        trace_dir = tempfile.mkdtemp(dir=sys.argv[sys.argv.index("--profile") + 1])
+        with te.autocast(enabled=fp8, recipe=recipe), jax.profiler.trace(trace_dir):
+            for i in range(5):
+                variables, g, gx = f(variables, x, dy, jax.random.key(i))
+            jax.block_until_ready((variables, g, gx))
+        print(profile_table(trace_dir, 5), flush=True)
 
 
 run(False)

@@ -53,6 +53,18 @@ def test_automatic_choice_keeps_the_calls_it_measured_faster(kw):
     assert pallas_mosaic_gpu.automatic_reason(_spec(**kw), "gpu") is None
 
 
+def test_context_parallel_dropout_steps_are_refused_statically():
+    # A context-parallel step numbers its keys by kv_index; the kernels cannot, so the automatic
+    # choice passes over them before the call (it would raise at call time otherwise).
+    from flashmesh.parallel.steps import step_spec
+
+    spec = step_spec(_spec(dropout_rate=0.1, dropout_rng=jax.random.key(0)), 128, 256, None)
+    assert spec.dropout_kv_index
+    assert "global key numbers" in pallas_mosaic_gpu.static_reason(spec)
+    assert "global key numbers" in registry.explain_spec(spec, "gpu").reason("pallas_mosaic_gpu")
+    assert pallas_mosaic_gpu.static_reason(step_spec(_spec(), 128, 256, None)) is None
+
+
 @pytest.mark.gpu
 def test_gpu_automatic_choice():
     """cuDNN keeps causal attention without a window (and MLA dims, which it runs on a Hopper

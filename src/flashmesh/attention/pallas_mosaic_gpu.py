@@ -19,8 +19,8 @@ padding tokens are zeroed first, so whatever they hold never reaches an output),
 bias [B|1, N|1, T, S] read in q's dtype with its gradient (dS per visited tile from the dQ
 kernel, summed over broadcast dims), head dims that are multiples of 16 (the shared-memory
 tiles take the widest swizzle their rows allow: 128 bytes for multiples of 64, 64 for 96, 32
-for 80). Not yet (the reason is returned): head dims above 192; at call time,
-dropout with global key numbers (kv_index, a context-parallel ring's key shards).
+for 80). Not yet (the reason is returned): dropout with global key numbers (kv_index, a
+context-parallel step's key shard; `AttentionSpec.dropout_kv_index`).
 
 Dropout: `sm90.dropout_row_hash` turns the seed (and q_index, head_index) into per-row
 hashes, uint32 [B, N, T], outside the custom VJP. The forward and both backward kernels read
@@ -65,6 +65,9 @@ def static_reason(spec: AttentionSpec) -> str | None:
     """Why the kernels cannot run this call whatever the device, or None."""
     from flashmesh.attention.pallas_mosaic_gpu_common import KERNEL_DTYPES
 
+    if spec.dropout_kv_index and spec.has_dropout:
+        return ("dropout with global key numbers (kv_index, a context-parallel step's key shard) "
+                "is not implemented: the kernels number keys 0..S-1 from their tile offsets")
     if spec.dtype not in KERNEL_DTYPES:
         return f"dtype {spec.dtype}: the kernels take {' or '.join(KERNEL_DTYPES)} (WGMMA operands)"
     for name, dim in (("Dqk", spec.qk_dim), ("Dv", spec.v_dim)):

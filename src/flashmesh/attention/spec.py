@@ -38,6 +38,9 @@ class AttentionSpec:
     return_lse: whether the caller wants the log-sum-exp. When False, a backend may return a
       placeholder in its place for calls that are not differentiated (cuDNN then runs its
       inference kernel, as jax.nn does).
+    dropout_kv_index: dropout numbers the keys by the inputs' kv_index (a context-parallel
+      step's global key numbers) instead of 0..S-1, so a backend that derives key numbers from
+      its tile offsets cannot run the call.
     """
 
     batch: int
@@ -59,6 +62,7 @@ class AttentionSpec:
     max_segments: int | None = None
     positions_canonical: bool = True
     return_lse: bool = True
+    dropout_kv_index: bool = False
 
     @property
     def causal(self) -> bool:
