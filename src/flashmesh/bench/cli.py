@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=5,
                        help="the rows of one shape and mode are timed in this many interleaved rounds, "
                             "so that drift hits them alike (default 5)")
+    bench.add_argument("--no-kernel-time", action="store_true",
+                       help="skip the device kernel time of each row (a profiler trace per row on a GPU)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--no-progress", action="store_true", help="no live progress bar")
     from flashmesh.train import cli as train_cli
@@ -229,7 +231,8 @@ def bench(args, argv: list[str], parser: argparse.ArgumentParser | None = None) 
         dtype=args.dtype or ("bf16" if platform == "gpu" or layer else "f32"),
         warmup=args.warmup if args.warmup is not None else warmup,
         iters=args.iters if args.iters is not None else iters,
-        max_seconds=max_seconds, rounds=args.rounds, progress=not args.no_progress)
+        max_seconds=max_seconds, rounds=args.rounds, progress=not args.no_progress,
+        kernel_time=not args.no_kernel_time)
     if plan.name == "anchors" and platform != "gpu":
         console.print("[yellow]the anchors preset is sized for a GPU; on a CPU it takes very long[/]")
     meta = report.metadata(plan, config, argv)

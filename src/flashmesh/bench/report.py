@@ -27,7 +27,9 @@ TIMING_TEXT = ("each row is compiled ahead of time, run once and compared with t
                "interleaved rounds, call by call (each call ended by jax.block_until_ready); "
                "ms is the median over all rounds; 'back to back' is the time per call of as many "
                "calls issued back to back with one synchronisation at the end (the host's dispatch "
-               "hidden behind the device's work: closer to kernel time on short rows)")
+               "hidden behind the device's work: closer to kernel time on short rows); 'kernel' is "
+               "the device's kernel time per call from a jax.profiler trace of up to 5 calls (the "
+               "sum of the GPU kernels' durations; '-' where the profiler gives none, e.g. on a CPU)")
 MEMORY_TEXT = ("memory is XLA's buffer plan of the compiled call (arguments + outputs + "
                "temporaries); device_peak_bytes in the json is the device's high-water mark "
                "(device.memory_stats(), process-wide) where the device reports it")
@@ -142,12 +144,14 @@ def status_text(r: Result) -> str:
     return f"{r.status}: {r.reason}" if r.reason else r.status
 
 
-COLUMNS = ("shape", "implementation", "mode", "ms", "back to back", "TFLOP/s", "memory", "error", "status")
-NUMERIC = ("ms", "back to back", "TFLOP/s", "memory", "error")
+COLUMNS = ("shape", "implementation", "mode", "ms", "back to back", "kernel", "TFLOP/s", "memory", "error",
+           "status")
+NUMERIC = ("ms", "back to back", "kernel", "TFLOP/s", "memory", "error")
 
 
 def row_cells(r: Result) -> list[str]:
-    return [r.shape.name, r.label, r.mode, fmt_ms(r.ms), fmt_ms(r.ms_back_to_back), fmt_tflops(r.tflops),
+    return [r.shape.name, r.label, r.mode, fmt_ms(r.ms), fmt_ms(r.ms_back_to_back), fmt_ms(r.ms_kernel),
+            fmt_tflops(r.tflops),
             fmt_bytes(r.memory_bytes), fmt_err(r.error), status_text(r)]
 
 

@@ -49,6 +49,7 @@ class RunConfig:
     reference_budget_bytes: float | None = None
     seed: int = 2026
     progress: bool = True
+    kernel_time: bool = True  # on a GPU, also the device kernel time of each row (profiler)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Result:
     ms: float | None = None
     ms_min: float | None = None
     ms_back_to_back: float | None = None  # per call of `iters` calls with one synchronisation
+    ms_kernel: float | None = None  # device kernel time per call (profiler trace), where measured
     iters: int | None = None
     compile_s: float | None = None
     flops: float | None = None
@@ -230,14 +232,15 @@ def time_rows(ready: list[_Ready], config: RunConfig) -> list[Result]:
     try:
         timings = timing.time_interleaved([(r.compiled, r.args) for r in ready], warmup=config.warmup,
                                           iters=config.iters, rounds=config.rounds,
-                                          max_seconds=config.max_seconds)
+                                          max_seconds=config.max_seconds,
+                                          kernel_time=config.kernel_time and jax.default_backend() == "gpu")
     except Exception as e:  # a failing row is a row, never a crash of the sweep
         if len(ready) > 1:
             return [result for r in ready for result in time_rows([r], config)]
         status, reason = classify(e)
         return [Result(**dict(ready[0].fields, status=status, reason=reason))]
     return [Result(**r.fields, ms=t.median_ms, ms_min=t.min_ms, ms_back_to_back=t.back_to_back_ms,
-                   iters=t.iters,
+                   ms_kernel=t.kernel_ms, iters=t.iters,
                    tflops=flops.tflops_per_s(r.fields["flops"], t.median_ms),
                    memory_bytes=t.memory_bytes, device_peak_bytes=t.device_peak_bytes)
             for r, t in zip(ready, timings)]

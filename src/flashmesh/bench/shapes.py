@@ -240,6 +240,14 @@ WORKLOAD_SHAPES = (
           segments=(12288, -4096) * 4,
           note="tutorial 003 on one GPU: 4 slots of 16384 holding 12288 tokens each"),
 )
+# Issue 10's packed-documents target: 16 documents of 4096 tokens packed in one 64k row, against
+# the same documents as a batch of 16 (the packed call should be within 10% of it).
+DOCUMENT_SHAPES = (
+    Shape("packed_16docs_64k", B=1, T=65536, N=32, K=8, Dqk=128, mask="causal", segments=(4096,) * 16,
+          note="16 causal documents of 4096 tokens packed in one row"),
+    Shape("batch_16docs_4k", B=16, T=4096, N=32, K=8, Dqk=128, mask="causal",
+          note="the same 16 documents as a batch"),
+)
 ANCHOR_IMPLS = ("naive", "xla", "cudnn", "flashmesh", "flashmesh:cudnn", "flashmesh:pallas_mosaic_gpu",
                 "flashmesh:chunked") + PEERS
 
@@ -251,6 +259,9 @@ def anchors(platform: str) -> Preset:
         Group("workloads", "Whole workloads of the reference documents", WORKLOAD_SHAPES, ANCHOR_IMPLS,
               description="The context-parallel tutorial's single-GPU attention: packed documents "
                           "with padding, GQA 128:8, causal sliding window."),
+        Group("documents", "Packed documents against the same documents as a batch", DOCUMENT_SHAPES,
+              ANCHOR_IMPLS, description="16 causal documents of 4096 tokens (GQA 32:8, d128): packed "
+                                        "in one 65536-token row, and as a batch of 16."),
     )
     return Preset("anchors", "The anchor shapes of anchors/RESULTS.md against every peer.", groups)
 

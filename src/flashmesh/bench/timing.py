@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from flashmesh.bench.kernel_time import kernel_ms
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
@@ -37,6 +39,7 @@ class Timing:
     device_peak_bytes: int | None
     times_ms: tuple[float, ...]
     back_to_back_ms: float | None = None  # per call, `iters` calls issued with one synchronisation
+    kernel_ms: float | None = None  # device kernel time per call (profiler), where measured
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -105,13 +108,16 @@ def _timed_call(compiled, args) -> float:
 
 
 def time_interleaved(calls: Sequence[tuple[Callable, tuple]], *, warmup: int = 3, iters: int = 20,
-                     rounds: int = 5, max_seconds: float | None = None) -> list[Timing]:
+                     rounds: int = 5, max_seconds: float | None = None,
+                     kernel_time: bool = False) -> list[Timing]:
     """Time several calls `fn(*args)` against each other: compile each, warm each up, then in
     each of `rounds` rounds call each one in turn (its share of `iters` calls, each ended by
     `jax.block_until_ready`). A `Timing` per call, in order, over all its rounds.
 
     max_seconds: per call; one that would take longer than this for `iters` calls gets fewer
     (at least 3, the untimed probe call telling how long one takes).
+    kernel_time: also each call's device kernel time (`kernel_time.kernel_ms`, a profiler trace
+    of a few calls), None where the profiler gives none.
 
     Example (is b's dispatch free? compare it with a on the same inputs):
       >>> ta, tb = time_interleaved([(a, (x,)), (b, (x,))])
@@ -136,11 +142,13 @@ def time_interleaved(calls: Sequence[tuple[Callable, tuple]], *, warmup: int = 3
     # dispatch hides behind the device's work, so on rows near 1 ms this reads kernel speed
     # where a synchronised call's median adds the launch and wake-up latency.
     back_to_back = [_back_to_back(c, args, n) for (c, _), (_, args), n in zip(compiled, calls, counts)]
+    kernels = [kernel_ms(c, args, min(n, 5)) if kernel_time else None
+               for (c, _), (_, args), n in zip(compiled, calls, counts)]
     return [Timing(median_ms=float(statistics.median(t)), mean_ms=float(statistics.fmean(t)),
                    min_ms=float(min(t)), iters=len(t), compile_s=compile_s,
                    memory_bytes=memory_bytes(c), device_peak_bytes=device_peak_bytes(),
-                   times_ms=tuple(t), back_to_back_ms=b2b)
-            for (c, compile_s), t, b2b in zip(compiled, times, back_to_back)]
+                   times_ms=tuple(t), back_to_back_ms=b2b, kernel_ms=k)
+            for (c, compile_s), t, b2b, k in zip(compiled, times, back_to_back, kernels)]
 
 
 def _back_to_back(compiled, args, n: int) -> float:

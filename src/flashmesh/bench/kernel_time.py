@@ -1,0 +1,54 @@
+"""Device kernel time of a compiled call, from a jax.profiler trace.
+
+`kernel_ms(compiled, args)` runs the call a few times under `jax.profiler.trace` and sums the
+durations of the GPU kernels (the events on the device planes' stream lines) per call: the time
+the device spent computing, without the host's dispatch and the launch gaps that a synchronised
+call's wall time includes. None where the trace has no GPU plane (a CPU run, or a profiler that
+could not collect device activity); the bench then shows no kernel time rather than a guess.
+
+Kernels on different streams that overlap are each counted in full (XLA runs a call's compute
+on one stream, so this is rare); memory copies and sets on those streams count as well.
+"""
+
+from __future__ import annotations
+
+import glob
+import tempfile
+from typing import Any, Callable, Iterable
+
+import jax
+
+DEVICE_PLANE_PREFIX = "/device:GPU"
+STREAM_LINE_PREFIX = "Stream"
+
+
+def stream_kernel_ns(planes: Iterable[Any]) -> float | None:
+    """Total duration (ns) of the events on the stream lines of the GPU planes of a profile
+    (jax.profiler.ProfileData's planes, or any objects with the same name / lines / events /
+    duration_ns fields); None when no GPU plane has a stream line."""
+    total, seen = 0.0, False
+    for plane in planes:
+        if not plane.name.startswith(DEVICE_PLANE_PREFIX):
+            continue
+        for line in plane.lines:
+            if line.name.startswith(STREAM_LINE_PREFIX):
+                seen = True
+                total += sum(event.duration_ns for event in line.events)
+    return total if seen else None
+
+
+def kernel_ms(compiled: Callable, args: tuple, calls: int = 5) -> float | None:
+    """Milliseconds of device kernel time per call of `compiled(*args)`, over `calls` calls
+    issued back to back under one trace; None where the profiler gives no device time."""
+    if calls < 1:
+        raise ValueError(f"calls={calls} must be >= 1")
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([compiled(*args) for _ in range(calls)])
+        files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+        if not files:
+            return None
+        ns = stream_kernel_ns(ProfileData.from_file(files[-1]).planes)
+    return None if ns is None else ns / 1e6 / calls
