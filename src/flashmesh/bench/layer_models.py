@@ -338,7 +338,8 @@ class Variant:
     re-projects q, k, v to N heads of (H / N) / N) or "te" (TransformerEngine's: attention on the
     QKV projection's heads). fp8: runs under FP8 autocast with the guide's DelayedScaling, and is
     checked against `bf16_twin` on the same parameters. standard_promotion: flax.linen's modules
-    mix a bf16 input with float32 parameters, which needs JAX's standard dtype promotion."""
+    mix a bf16 input with float32 parameters, which needs JAX's standard dtype promotion.
+    recipe: the FP8 recipe of an fp8 row (`fp8_recipe`): "guide" or "fp8_attention"."""
 
     name: str
     description: str
@@ -346,6 +347,7 @@ class Variant:
     fp8: bool = False
     bf16_twin: str | None = None
     standard_promotion: bool = False
+    recipe: str = "guide"
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
@@ -364,19 +366,29 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("transformer_layer_fp8", "te_flax.TransformerLayer under FP8 autocast", "te", fp8=True,
             bf16_twin="transformer_layer"),
     Variant("transformer_layer_no_attn_dropout", "te_flax.TransformerLayer, the guide's configuration "
-            "with attention_dropout=0 (cuDNN cannot draw flashmesh's dropout mask, so the guide's rows "
-            "run attention with dropout on chunked), bf16", "te"),
+            "with attention_dropout=0 (attention on cuDNN; the guide's rows draw flashmesh's dropout "
+            "mask, on a Hopper GPU inside pallas_mosaic_gpu), bf16", "te"),
     Variant("transformer_layer_no_attn_dropout_fp8", "the same under FP8 autocast", "te", fp8=True,
             bf16_twin="transformer_layer_no_attn_dropout"),
+    Variant("transformer_layer_fp8_attention", "te_flax.TransformerLayer with attention_dropout=0 under "
+            "FP8 autocast with FP8 attention (DelayedScaling E4M3, fp8_dpa=True: cuDNN's FP8 attention "
+            "forward and backward; XLA's FP8 attention takes no e5m2 gradient, so not HYBRID)", "te",
+            fp8=True, bf16_twin="transformer_layer_no_attn_dropout", recipe="fp8_attention"),
     Variant("jax_cudnn", "hand-written JAX layer: bf16 weights, flashmesh.attention(implementation="
             "'cudnn'), no dropout (the ceiling)", "te"),
 )}
 
 
-def fp8_recipe():
-    """The guide's recipe: DelayedScaling(HYBRID, amax_history_len=16, amax_compute_algo='max')."""
+def fp8_recipe(kind: str = "guide"):
+    """"guide": the guide's DelayedScaling(HYBRID, amax_history_len=16, amax_compute_algo='max');
+    "fp8_attention": the same history with E4M3 throughout and fp8_dpa=True."""
     from flashmesh.te.recipe import DelayedScaling, Format
 
+    if kind == "fp8_attention":
+        return DelayedScaling(fp8_format=Format.E4M3, amax_history_len=16, amax_compute_algo="max",
+                              fp8_dpa=True)
+    if kind != "guide":
+        raise ValueError(f"recipe kind {kind!r} must be 'guide' or 'fp8_attention'")
     return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
 
 
@@ -405,7 +417,7 @@ def build(name: str, shape, dtype, platform: str) -> Model:
         raise ValueError(f"layer variant {name!r} must be one of {sorted(VARIANTS)}")
     variant = VARIANTS[name]
     H, F, N = shape.hidden, shape.ffn, shape.heads
-    cast = dict(enabled=True, recipe=fp8_recipe()) if variant.fp8 else dict(enabled=False)
+    cast = dict(enabled=True, recipe=fp8_recipe(variant.recipe)) if variant.fp8 else dict(enabled=False)
     if name == "jax_cudnn":
         impl = jax_layer_implementation(platform)
         return Model(variant, lambda key, x: {"params": init_jax_layer(key, H, F, dtype)},
@@ -418,7 +430,7 @@ def build(name: str, shape, dtype, platform: str) -> Model:
         module = TEUnfusedTransformerLayer(H, F, N, use_te_attention=base == "te_unfused")
     elif base == "te_fused":
         module = TEFusedTransformerLayer(H, F, N)
-    elif base == "transformer_layer_no_attn_dropout":
+    elif base in ("transformer_layer_no_attn_dropout", "transformer_layer_fp8_attention"):
         module = guide_transformer_layer(H, F, N, attention_dropout=0.0)
     else:
         module = guide_transformer_layer(H, F, N)

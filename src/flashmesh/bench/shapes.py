@@ -430,7 +430,8 @@ LAYER_TINY = LayerShape("guide_layer_tiny", B=2, T=32, hidden=64, ffn=256, heads
 # Rows of the layer preset (flashmesh.bench.layer_models.VARIANTS describes each).
 LAYER_VARIANTS = ("flax", "te_unfused_flax_attention", "te_unfused", "te_fused", "te_unfused_fp8",
                   "te_fused_fp8", "transformer_layer", "transformer_layer_fp8",
-                  "transformer_layer_no_attn_dropout", "transformer_layer_no_attn_dropout_fp8", "jax_cudnn")
+                  "transformer_layer_no_attn_dropout", "transformer_layer_no_attn_dropout_fp8",
+                  "transformer_layer_fp8_attention", "jax_cudnn")
 
 
 def layer(platform: str, *, quick: bool = False) -> Preset:
