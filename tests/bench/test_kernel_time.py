@@ -34,6 +34,15 @@ def test_a_cpu_trace_gives_none_and_timing_keeps_its_other_fields():
     assert t.kernel_ms is None and t.median_ms > 0 and t.back_to_back_ms > 0
 
 
+def test_a_failing_profiler_gives_none_with_a_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no CUPTI")
+
+    monkeypatch.setattr(jax.profiler, "trace", broken)
+    with pytest.warns(UserWarning, match="no CUPTI"):
+        assert kernel_time.kernel_ms(lambda x: x, (jnp.ones(3),), calls=1) is None
+
+
 def test_calls_must_be_positive():
     with pytest.raises(ValueError, match="calls=0"):
         kernel_time.kernel_ms(lambda: None, (), calls=0)
