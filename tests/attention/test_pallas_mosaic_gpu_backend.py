@@ -47,10 +47,21 @@ def test_refused_off_gpu_with_the_reason():
 
 @pytest.mark.parametrize("kw", [
     dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), dict(mask="causal", window=(64, 0)),
-    dict(mask="none", window=(-1, 16))])
-def test_automatic_choice_keeps_the_calls_it_measured_faster(kw):
-    # Dropout (cuDNN cannot draw flashmesh's mask) and sliding windows: never passed to cuDNN.
-    assert pallas_mosaic_gpu.automatic_reason(_spec(**kw), "gpu") is None
+    dict(mask="none", window=(32, 32))])
+def test_automatic_choice_keeps_dropout_and_narrow_windows(kw):
+    # Dropout (cuDNN cannot draw flashmesh's mask) and windows the window kernel takes (measured
+    # faster): never passed to cuDNN.
+    assert pallas_mosaic_gpu.automatic_reason(_spec(**kw), "gpu", "NVIDIA H200") is None
+
+
+def test_automatic_choice_passes_over_what_no_gpu_has_checked():
+    from flashmesh.parallel.steps import step_spec
+
+    step = step_spec(_spec(mask="causal"), 128, 256, None)
+    assert "context-parallel" in pallas_mosaic_gpu.automatic_reason(step, "gpu", "NVIDIA H200")
+    huge = dataclasses.replace(_spec(mask="causal", window=(8192, 0), D=128), batch=2, q_len=65536,
+                               kv_len=65536, num_heads=128, num_kv_heads=8)  # q: 2^31 elements
+    assert "2^30" in pallas_mosaic_gpu.automatic_reason(huge, "gpu", "NVIDIA H200")
 
 
 def test_context_parallel_dropout_steps_are_refused_statically():
@@ -59,7 +70,7 @@ def test_context_parallel_dropout_steps_are_refused_statically():
     from flashmesh.parallel.steps import step_spec
 
     spec = step_spec(_spec(dropout_rate=0.1, dropout_rng=jax.random.key(0)), 128, 256, None)
-    assert spec.dropout_kv_index
+    assert spec.context_step
     assert "global key numbers" in pallas_mosaic_gpu.static_reason(spec)
     assert "global key numbers" in registry.explain_spec(spec, "gpu").reason("pallas_mosaic_gpu")
     assert pallas_mosaic_gpu.static_reason(step_spec(_spec(), 128, 256, None)) is None
@@ -67,9 +78,8 @@ def test_context_parallel_dropout_steps_are_refused_statically():
 
 @pytest.mark.gpu
 def test_gpu_automatic_choice():
-    """cuDNN keeps causal attention without a window (and MLA dims, which it runs on a Hopper
-    GPU); the kernels take dropout and sliding windows, and the automatic call equals the named
-    one."""
+    """cuDNN keeps causal attention, wide windows and MLA dims (which it runs on a Hopper GPU);
+    the kernels take dropout and narrow windows, and the automatic call equals the named one."""
     q = jax.random.normal(jax.random.key(1), (2, 256, 4, 64), jnp.bfloat16)
     assert flashmesh.explain(q, q, q, mask="causal").chosen == "cudnn"
     rows = {row.name: row for row in flashmesh.explain(q, q, q, mask="causal").rows}
@@ -82,6 +92,7 @@ def test_gpu_automatic_choice():
                                       flashmesh.attention(q, q, q, implementation="pallas_mosaic_gpu", **kw))
     v = q[..., :32]
     assert flashmesh.explain(q, q, v, mask="causal").chosen == "cudnn"
+    assert flashmesh.explain(q, q, q, mask="causal", window=(1024, 0)).chosen == "cudnn"
 
 
 def _rel(a, b):

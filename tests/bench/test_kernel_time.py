@@ -24,6 +24,7 @@ def test_sums_the_stream_lines_of_gpu_planes_only():
 def test_none_without_a_gpu_stream_line():
     assert kernel_time.stream_kernel_ns([_plane("/host:CPU", [("python", [1e6])])]) is None
     assert kernel_time.stream_kernel_ns([_plane("/device:GPU:0", [("XLA Ops", [1e6])])]) is None
+    assert kernel_time.stream_kernel_ns([_plane("/device:GPU:0", [("Stream #13", [])])]) is None
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="a CPU trace has no device plane")

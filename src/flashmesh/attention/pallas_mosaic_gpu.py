@@ -20,15 +20,16 @@ bias [B|1, N|1, T, S] read in q's dtype with its gradient (dS per visited tile f
 kernel, summed over broadcast dims), head dims that are multiples of 16 (the shared-memory
 tiles take the widest swizzle their rows allow: 128 bytes for multiples of 64, 64 for 96, 32
 for 80). Not yet (the reason is returned): dropout with global key numbers (kv_index, a
-context-parallel step's key shard; `AttentionSpec.dropout_kv_index`).
+context-parallel step's key shard; `AttentionSpec.context_step`).
 
 Dropout: `sm90.dropout_row_hash` turns the seed (and q_index, head_index) into per-row
 hashes, uint32 [B, N, T], outside the custom VJP. The forward and both backward kernels read
 them, so the seed never reaches the kernels and is not differentiated.
 
-In the automatic order on a GPU, first for dropout and sliding windows (faster than cuDNN, or
-cuDNN cannot run them) and for any call cuDNN cannot run (`automatic_reason`); cuDNN keeps the
-rest (full and causal attention without a window, MLA dims where its version runs them).
+In the automatic order on a GPU, first for dropout (cuDNN cannot draw flashmesh's mask), windows
+narrow enough for the window kernel (faster than cuDNN) and any call cuDNN cannot run; cuDNN
+keeps the rest, and context-parallel steps and q of 2^30 elements or more wait for a GPU check
+(`automatic_reason`).
 Measured on the H200 (`flashmesh bench --preset anchors`, benchmarks/results/
 2026-12-01-nvidia-h200-anchors, bf16, fwd / fwd+bwd against cuDNN in the same run): sliding
 window seed000_gqa_swa 1.75x / 1.43x; full_4k_h16_d128 0.90x / 0.90x; causal_8k_h32_d128
@@ -65,7 +66,7 @@ def static_reason(spec: AttentionSpec) -> str | None:
     """Why the kernels cannot run this call whatever the device, or None."""
     from flashmesh.attention.pallas_mosaic_gpu_common import KERNEL_DTYPES
 
-    if spec.dropout_kv_index and spec.has_dropout:
+    if spec.context_step and spec.has_dropout:
         return ("dropout with global key numbers (kv_index, a context-parallel step's key shard) "
                 "is not implemented: the kernels number keys 0..S-1 from their tile offsets")
     if spec.dtype not in KERNEL_DTYPES:
@@ -83,19 +84,30 @@ def static_reason(spec: AttentionSpec) -> str | None:
     return None
 
 
-def automatic_reason(spec: AttentionSpec, platform: str) -> str | None:
-    """Why the automatic choice passes this call to cuDNN: cuDNN runs it, and on calls of its
-    kind (no dropout, no sliding window) cuDNN measured faster or not measurably slower (module
-    docstring; MLA 128/64 within a few percent of cuDNN, in different runs)."""
-    from flashmesh.attention import cudnn
+def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None = None) -> str | None:
+    """Why the automatic choice passes over this call (to cuDNN where it runs it), or None.
 
-    sliding = spec.window[0] >= 0 or spec.window[1] > 0
-    if spec.has_dropout or sliding:
+    Taken: dropout (cuDNN cannot draw flashmesh's mask), windows narrow enough for the window
+    kernel (measured faster than cuDNN), and whatever cuDNN refuses. Passed over: calls of the
+    kinds cuDNN measured faster or about as fast on (full, causal, wider windows, MLA where its
+    version runs it), and what has not been checked on a GPU yet: context-parallel steps, and
+    q of 2^30 elements or more (only the forward was checked there). device_kind: jax's, for
+    the tiles (default: this machine's)."""
+    from flashmesh.attention import cudnn
+    from flashmesh.attention import pallas_mosaic_gpu_common as common
+
+    if spec.context_step:
+        return ("not yet checked on a GPU inside a context-parallel step (shard_map); name it "
+                "(implementation='pallas_mosaic_gpu') to run it there")
+    if spec.batch * spec.q_len * spec.num_heads * spec.qk_dim >= cudnn.MAX_Q_ELEMENTS:
+        return ("q of 2^30 elements or more: only the forward has been checked on the H200 at "
+                "this size, not yet the backward (cuDNN's dq was wrong there)")
+    if spec.has_dropout or isinstance(config(spec, device_kind)[0], common.WindowBlockSizes):
         return None
     if cudnn.unsupported_reason(spec, platform, automatic=True) is not None:
         return None
-    return ("cuDNN runs this call and measured faster on full and causal attention without a "
-            "window (these kernels' fwd+bwd: 0.90-0.95x of cuDNN's speed, "
+    return ("cuDNN runs this call and measured faster or about as fast on calls of its kind "
+            "(these kernels' fwd+bwd: 0.90-0.95x of cuDNN's speed on full and causal attention, "
             "benchmarks/results/2026-12-01-nvidia-h200-anchors)")
 
 

@@ -38,9 +38,10 @@ class AttentionSpec:
     return_lse: whether the caller wants the log-sum-exp. When False, a backend may return a
       placeholder in its place for calls that are not differentiated (cuDNN then runs its
       inference kernel, as jax.nn does).
-    dropout_kv_index: dropout numbers the keys by the inputs' kv_index (a context-parallel
-      step's global key numbers) instead of 0..S-1, so a backend that derives key numbers from
-      its tile offsets cannot run the call.
+    context_step: one step of a context-parallel call (parallel/steps.py), run inside
+      shard_map: dropout numbers the keys by the inputs' kv_index (the step's global key
+      numbers) instead of 0..S-1, so a backend that derives key numbers from its tile offsets
+      cannot run its dropout.
     """
 
     batch: int
@@ -62,7 +63,7 @@ class AttentionSpec:
     max_segments: int | None = None
     positions_canonical: bool = True
     return_lse: bool = True
-    dropout_kv_index: bool = False
+    context_step: bool = False
 
     @property
     def causal(self) -> bool:

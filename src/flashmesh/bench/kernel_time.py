@@ -27,15 +27,16 @@ STREAM_LINE_PREFIX = "Stream"
 def stream_kernel_ns(planes: Iterable[Any]) -> float | None:
     """Total duration (ns) of the events on the stream lines of the GPU planes of a profile
     (jax.profiler.ProfileData's planes, or any objects with the same name / lines / events /
-    duration_ns fields); None when no GPU plane has a stream line."""
+    duration_ns fields); None when no stream line of a GPU plane holds an event."""
     total, seen = 0.0, False
     for plane in planes:
         if not plane.name.startswith(DEVICE_PLANE_PREFIX):
             continue
         for line in plane.lines:
             if line.name.startswith(STREAM_LINE_PREFIX):
-                seen = True
-                total += sum(event.duration_ns for event in line.events)
+                durations = [event.duration_ns for event in line.events]
+                seen = seen or bool(durations)
+                total += sum(durations)
     return total if seen else None
 
 

@@ -392,6 +392,19 @@ def fp8_recipe(kind: str = "guide"):
     return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
 
 
+def attention_detail(shape, dtype, dropout: float, fp8_attention: bool) -> str:
+    """Which implementation a TE-structure row's attention call gets on this machine (what
+    flashmesh.explain chooses for it), for the report."""
+    if fp8_attention:
+        return "attention: cuDNN FP8 (fp8_dpa)"
+    import flashmesh
+
+    q = jax.ShapeDtypeStruct((shape.B, shape.T, shape.heads, shape.hidden // shape.heads), dtype)
+    kw = dict(dropout_rate=dropout, dropout_rng=jax.random.key(0)) if dropout else {}
+    chosen = flashmesh.explain(q, q, q, mask="causal", **kw).chosen
+    return f"attention: {chosen}" + (f" (dropout {dropout})" if dropout else "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A built row: `init(key, x) -> variables`, `apply(variables, x, deterministic, rngs) -> y`,
@@ -434,8 +447,10 @@ def build(name: str, shape, dtype, platform: str) -> Model:
         module = guide_transformer_layer(H, F, N, attention_dropout=0.0)
     else:
         module = guide_transformer_layer(H, F, N)
+    detail = ("" if variant.family == "flax_mha" else
+              attention_detail(shape, dtype, module.attention_dropout, variant.recipe == "fp8_attention"))
     # The guide inits with deterministic=False (Flax draws dropout keys from the params key).
     return Model(variant, lambda key, x: module.init(key, x, attention_mask=None, deterministic=False),
                  lambda v, x, deterministic, rngs: module.apply(v, x, attention_mask=None,
                                                                 deterministic=deterministic, rngs=rngs),
-                 cast, module=module, heads=N)
+                 cast, module=module, heads=N, detail=detail)

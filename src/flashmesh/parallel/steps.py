@@ -57,7 +57,7 @@ def step_spec(spec: AttentionSpec, q_len: int, kv_len: int, bias_shape) -> Atten
         spec, q_len=q_len, kv_len=kv_len, softmax="vanilla", bottom_right=False,
         segments=None if spec.segments is None else "packed", max_segments=None,
         positions_canonical=False, return_lse=True, bias_shape=bias_shape,
-        dropout_kv_index=spec.has_dropout)  # every step numbers its keys by Side.index
+        context_step=True)  # every step numbers its keys by Side.index
 
 
 def attend(spec: AttentionSpec, implementation: str | None, q, k, v, bias, q_side: Side,
