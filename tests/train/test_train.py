@@ -362,10 +362,12 @@ def test_compare_is_two_percent_of_bf16():
 
 
 # -- the tiny run ---------------------------------------------------------------------------------------------
-def test_tiny_run_writes_a_report_and_learns(layers, tmp_path):
+def test_tiny_run_writes_a_report_and_learns(layers, tmp_path, capsys):
     precisions = "bf16,fp8" if FP8 else "bf16"
     argv = ["--tiny", "--precisions", precisions, "--out", str(tmp_path), "--no-progress"]
     assert cli.main(argv) == 0
+    out = capsys.readouterr().out  # without the bar, a line per evaluation (what a log shows)
+    assert "train bf16: compiled in" in out and "train bf16: step 20/20, train " in out, out
     (folder,) = tmp_path.iterdir()
     assert folder.name.endswith("-cpu-train-tiny")
     payload = json.loads((folder / "results.json").read_text())

@@ -242,6 +242,8 @@ def train(model_config: gpt.GPTConfig, config: TrainConfig, corpus: data.Corpus,
             variables, opt_state, x0, y0, dropout_key).compile()
         evaluate = jax.jit(make_eval_step(model)).lower(variables, *validation[0]).compile()
         compile_seconds = time.perf_counter() - started
+        if not progress:  # a log's reader (a GPU run's output) sees where the run is
+            print(f"train {precision}: compiled in {compile_seconds:.1f} s", flush=True)
 
         def validation_loss(variables) -> float:
             return float(np.mean(jax.device_get([evaluate(variables, x, y) for x, y in validation])))
@@ -277,9 +279,17 @@ def train(model_config: gpt.GPTConfig, config: TrainConfig, corpus: data.Corpus,
 
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int, precision: str):
-    """show(step, train loss or None, validation loss or None) drives a rich progress bar."""
+    """show(step, train loss or None, validation loss or None) drives a rich progress bar; when
+    disabled, each evaluation prints one plain line (for logs)."""
     if not enabled:
-        yield lambda step, loss, val: None
+        started = time.perf_counter()
+
+        def line(step, loss, val):
+            if loss is not None:
+                print(f"train {precision}: step {step}/{total}, train {loss:.4f}, val {val:.4f}, "
+                      f"{time.perf_counter() - started:.0f} s", flush=True)
+
+        yield line
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
