@@ -181,3 +181,24 @@ def test_describe_names_the_tiles_and_their_source():
     assert "compile time not measured" in text or "compiled in" in text
     with pytest.raises(NotImplementedError, match="Hopper"):
         pallas_mosaic_gpu.describe(_spec(), "NVIDIA A100-SXM4-80GB")
+
+
+def test_grad_of_grad_says_first_order_only():
+    """Traced only (nothing runs): the backward kernels have no derivative, and say so."""
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+    from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
+
+    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    inputs, spec = normalize(q, q, q, mask="causal")
+    fwd = BlockSizes(block_q=64, block_kv=64, num_stages=2, num_compute_wgs=1)
+    back = bwd.BackwardBlockSizes(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, num_stages=2,
+                                  num_compute_wgs=1)
+
+    def loss(q):
+        out, _ = pallas_mosaic_gpu.attention_with(dataclasses.replace(inputs, q=q), spec, fwd, back,
+                                                  interpret=True)
+        return jnp.sum(out.astype(jnp.float32))
+
+    jax.eval_shape(jax.grad(loss), q)  # first order traces
+    with pytest.raises(NotImplementedError, match="first derivatives only"):
+        jax.eval_shape(jax.grad(lambda q: jnp.sum(jax.grad(loss)(q).astype(jnp.float32))), q)

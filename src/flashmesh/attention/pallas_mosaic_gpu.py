@@ -198,6 +198,24 @@ def _kernel_fwd(setup, q, k, v, sink, bias, dropout_hash, tables):
     return (out, lse), (q, k, v, sink, bias, dropout_hash, tables, out, lse)
 
 
+SECOND_ORDER = ("pallas_mosaic_gpu gives first derivatives only (its backward is kernels, which "
+                "have no derivative); name implementation='chunked' or 'reference' for grad of grad")
+
+
+def _first_order_only(fn):
+    """fn(*args) as a custom VJP whose own derivative raises NotImplementedError(SECOND_ORDER),
+    instead of JAX's error about differentiating a kernel call."""
+    @jax.custom_vjp
+    def once(*args):
+        return fn(*args)
+
+    def never(_, cotangents):
+        raise NotImplementedError(SECOND_ORDER)
+
+    once.defvjp(lambda *args: (fn(*args), None), never)
+    return once
+
+
 def _kernel_bwd(setup, res, cts):
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 
@@ -208,10 +226,14 @@ def _kernel_bwd(setup, res, cts):
         return None, None, None, None, None, None, None
     d_out = jnp.zeros_like(out) if isinstance(d_out, SymbolicZero) else d_out
     d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
-    dq, dk, dv, dsink, dbias = bwd.backward_spec(
-        q, k, v, out, lse, d_out.astype(q.dtype), spec, sink=sink, d_lse=d_lse,
-        dropout_hash=dropout_hash, tables=tables, bias=bias, block_sizes=bwd_blocks,
-        interpret=interpret)
+
+    def kernels(q, k, v, out, lse, d_out, sink, d_lse, dropout_hash, tables, bias):
+        return bwd.backward_spec(q, k, v, out, lse, d_out, spec, sink=sink, d_lse=d_lse,
+                                 dropout_hash=dropout_hash, tables=tables, bias=bias,
+                                 block_sizes=bwd_blocks, interpret=interpret)
+
+    dq, dk, dv, dsink, dbias = _first_order_only(kernels)(
+        q, k, v, out, lse, d_out.astype(q.dtype), sink, d_lse, dropout_hash, tables, bias)
     dsink = None if dsink is None else dsink.astype(sink.dtype)
     return dq, dk, dv, dsink, dbias, None, None  # row hashes and tables: integers, no cotangent
 
