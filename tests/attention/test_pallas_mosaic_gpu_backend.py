@@ -54,13 +54,24 @@ def test_automatic_choice_keeps_dropout_and_narrow_windows(kw):
     assert pallas_mosaic_gpu.automatic_reason(_spec(**kw), "gpu", "NVIDIA H200") is None
 
 
+def test_automatic_choice_takes_the_measured_window_shape():
+    # seed000_gqa_swa (B2 T4096 128:8 d128, window (128, 0)): measured 1.43x cuDNN fwd+bwd on the
+    # H200 (benchmarks/results/2026-12-01-nvidia-h200-anchors) with the window kernel.
+    from flashmesh.attention.pallas_mosaic_gpu_common import WindowBlockSizes
+
+    spec = dataclasses.replace(_spec(mask="causal", D=128), batch=2, q_len=4096, kv_len=4096,
+                               num_heads=128, num_kv_heads=8, window=(128, 0))
+    assert isinstance(pallas_mosaic_gpu.config(spec, "NVIDIA H200")[0], WindowBlockSizes)
+    assert pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200") is None
+
+
 def test_automatic_choice_passes_over_what_no_gpu_has_checked():
     from flashmesh.parallel.steps import step_spec
 
     step = step_spec(_spec(mask="causal"), 128, 256, None)
     assert "context-parallel" in pallas_mosaic_gpu.automatic_reason(step, "gpu", "NVIDIA H200")
-    huge = dataclasses.replace(_spec(mask="causal", window=(8192, 0), D=128), batch=2, q_len=65536,
-                               kv_len=65536, num_heads=128, num_kv_heads=8)  # q: 2^31 elements
+    huge = dataclasses.replace(_spec(mask="causal", D=128), batch=2, q_len=65536, kv_len=65536,
+                               num_heads=128, num_kv_heads=8, window=(8192, 0))  # q: 2^31 elements
     assert "2^30" in pallas_mosaic_gpu.automatic_reason(huge, "gpu", "NVIDIA H200")
 
 
