@@ -73,12 +73,13 @@ CASES = [
     # with the soft cap: a padding pair's cap slope is NaN (its bias is), its gradient still 0
     Case("packed_window_gqa_tails_learnable_bias_cap", q_ids=PACKED, window=(40, 0),
          softmax="learnable", bias=(2, 1), cap=5.0),
+]
+GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
+    # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
     # Cross attention with padding: 70 / 100 valid queries of 100, 110 / 40 valid keys of 110.
     Case("padding_cross_no_window_dropout", mask="none", dropout_rate=0.2, seqlens=True,
          q_ids=(((1, 70), (0, 30)), ((1, 100),)), kv_ids=(((1, 110),), ((1, 40), (0, 70)))),
     Case("bias_shared_causal_gqa_tails_cap", q_ids=None, bias=(1, 2), cap=5.0, T=136, S=100),
-]
-GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
     Case("gpu_16_documents_causal_d128", N=8, K=2, D=128, blocks=None,
          q_ids=(tuple((i + 1, n) for i, n in enumerate(
              [97, 400, 31, 256, 512, 129, 64, 300, 199, 255, 257, 130, 70, 600, 300, 306])),)),

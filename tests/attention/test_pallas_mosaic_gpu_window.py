@@ -35,16 +35,17 @@ from semantics import assert_close, assert_fa_rule
 from test_pallas_mosaic_gpu import Case, make_inputs, make_sink, plain_low_precision, reference, visible
 
 CASES = [
-    (Case("causal_w128_gqa_two_wgs_tail", T=200, S=200, N=4, K=1, window=(128, 0)),
-     WindowBlockSizes()),
     (Case("two_sided_t_ne_s_learnable_mqa", T=150, S=230, N=1, K=1, window=(30, 20),
           softmax="learnable"), WindowBlockSizes(num_compute_wgs=1)),
-    (Case("off_by_one_cap_four_tiles", T=192, S=192, N=2, K=1, window=(100, 10), cap=2.0,
-          softmax="off_by_one"), WindowBlockSizes()),
     (Case("empty_blocks", T=256, S=64, N=2, K=2, window=(8, 0), bottom_right=True),
      WindowBlockSizes(num_compute_wgs=1)),
 ]
 GPU_CASES = [
+    # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
+    (Case("off_by_one_cap_four_tiles", T=192, S=192, N=2, K=1, window=(100, 10), cap=2.0,
+          softmax="off_by_one"), WindowBlockSizes()),
+    (Case("causal_w128_gqa_two_wgs_tail", T=200, S=200, N=4, K=1, window=(128, 0)),
+     WindowBlockSizes()),
     (Case("seed_heads_w128", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128, window=(128, 0)),
      WindowBlockSizes()),
 ]
