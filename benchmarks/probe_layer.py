@@ -39,18 +39,17 @@ def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
     """Per-step GPU time of a jax.profiler trace, by category and by op / kernel name."""
     from jax.profiler import ProfileData
 
+    from flashmesh.bench.kernel_time import STREAM_LINE_PREFIX, device_lines
+
     files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
     if not files:
         return f"no trace under {trace_dir}"
     ops, kernels = collections.Counter(), collections.Counter()
-    for plane in ProfileData.from_file(files[-1]).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            into = ops if line.name == "XLA Ops" else kernels if line.name.startswith("Stream") else None
-            if into is not None:
-                for event in line.events:
-                    into[event.name] += event.duration_ns / 1e6 / steps
+    for line in device_lines(ProfileData.from_file(files[-1]).planes):
+        into = ops if line.name == "XLA Ops" else kernels if line.name.startswith(STREAM_LINE_PREFIX) else None
+        if into is not None:
+            for event in line.events:
+                into[event.name] += event.duration_ns / 1e6 / steps
     if not kernels:
         return "no GPU kernels in the trace (not a GPU run?)"
     total = sum(kernels.values())

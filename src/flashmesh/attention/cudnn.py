@@ -122,8 +122,8 @@ def static_reason(spec: AttentionSpec) -> str | None:
         return f"cuDNN fused attention takes bfloat16 or float16 inputs, got {spec.dtype}"
     if T == 1 and S == 1:
         return "T = S = 1: cuDNN's graph validation rejects one query against one key"
-    if spec.batch * T * spec.num_heads * spec.qk_dim >= MAX_Q_ELEMENTS:
-        return (f"q holds {spec.batch * T * spec.num_heads * spec.qk_dim} elements >= 2^30: cuDNN's "
+    if spec.q_elements >= MAX_Q_ELEMENTS:
+        return (f"q holds {spec.q_elements} elements >= 2^30: cuDNN's "
                 "dq was wrong beyond the first batch row at 2^31 on the H200 (see MAX_Q_ELEMENTS)")
     if spec.softmax != "vanilla":
         return f"softmax={spec.softmax!r}: cuDNN's softmax has no extra denominator term (sink)"

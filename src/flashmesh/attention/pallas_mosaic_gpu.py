@@ -99,7 +99,7 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     if spec.context_step:
         return ("not yet checked on a GPU inside a context-parallel step (shard_map); name it "
                 "(implementation='pallas_mosaic_gpu') to run it there")
-    if spec.batch * spec.q_len * spec.num_heads * spec.qk_dim >= cudnn.MAX_Q_ELEMENTS:
+    if spec.q_elements >= cudnn.MAX_Q_ELEMENTS:
         return ("q of 2^30 elements or more: only the forward has been checked on the H200 at "
                 "this size, not yet the backward (cuDNN's dq was wrong there)")
     if spec.has_dropout or isinstance(config(spec, device_kind)[0], common.WindowBlockSizes):

@@ -82,6 +82,11 @@ class AttentionSpec:
         return self.dropout_rate > 0.0
 
     @property
+    def q_elements(self) -> int:
+        """Elements of q, B * T * N * Dqk (the size bounds on kernels' indexing are in these)."""
+        return self.batch * self.q_len * self.num_heads * self.qk_dim
+
+    @property
     def group_size(self) -> int:
         """Query heads per key/value head (1 = MHA, N = MQA)."""
         return self.num_heads // self.num_kv_heads

@@ -16,7 +16,7 @@ from __future__ import annotations
 import glob
 import tempfile
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 
@@ -24,20 +24,21 @@ DEVICE_PLANE_PREFIX = "/device:GPU"
 STREAM_LINE_PREFIX = "Stream"
 
 
-def stream_kernel_ns(planes: Iterable[Any]) -> float | None:
-    """Total duration (ns) of the events on the stream lines of the GPU planes of a profile
-    (jax.profiler.ProfileData's planes, or any objects with the same name / lines / events /
-    duration_ns fields); None when no stream line of a GPU plane holds an event."""
-    total, seen = 0.0, False
+def device_lines(planes: Iterable[Any]) -> Iterator[Any]:
+    """The lines of a profile's GPU planes (jax.profiler.ProfileData's planes, or any objects
+    with the same name / lines / events / duration_ns fields): "Stream #..." lines hold the
+    kernels, "XLA Ops" the HLO ops."""
     for plane in planes:
-        if not plane.name.startswith(DEVICE_PLANE_PREFIX):
-            continue
-        for line in plane.lines:
-            if line.name.startswith(STREAM_LINE_PREFIX):
-                durations = [event.duration_ns for event in line.events]
-                seen = seen or bool(durations)
-                total += sum(durations)
-    return total if seen else None
+        if plane.name.startswith(DEVICE_PLANE_PREFIX):
+            yield from plane.lines
+
+
+def stream_kernel_ns(planes: Iterable[Any]) -> float | None:
+    """Total duration (ns) of the events on the stream lines of a profile's GPU planes; None
+    when no such line holds an event."""
+    durations = [event.duration_ns for line in device_lines(planes)
+                 if line.name.startswith(STREAM_LINE_PREFIX) for event in line.events]
+    return float(sum(durations)) if durations else None
 
 
 def kernel_ms(compiled: Callable, args: tuple, calls: int = 5) -> float | None:
