@@ -64,7 +64,7 @@ for step in "$@"; do
       cp src/flashmesh/attention/pallas_mosaic_gpu_configs.json "$OUT/" ;;
     profile)
       mkdir -p /tmp/flashmesh-trace
-      timeout "$limit" python3 benchmarks/probe_layer.py --profile /tmp/flashmesh-trace 2>&1 | tee -a "$OUT/profile.log" ;;
+      timeout "$limit" python3 benchmarks/probe_layer.py --profile /tmp/flashmesh-trace --hlo "$OUT" 2>&1 | tee -a "$OUT/profile.log" ;;
     example)
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" ;;

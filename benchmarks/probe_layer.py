@@ -3,6 +3,8 @@ TransformerLayer fwd+bwd in bf16 and FP8 at the guide's size and count the FP8 G
 
 `--profile DIR` also traces 5 steps with jax.profiler into DIR and prints where a step's GPU
 time goes: per category (GEMM, attention, other kernels), then the longest XLA ops and kernels.
+The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` row) is traced the
+same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR.
 """
 import collections
 import glob
@@ -22,6 +24,7 @@ from flashmesh.te.recipe import DelayedScaling, Format
 B, T, H, F, N = 4, 2048, 4096, 16384, 32
 if "--small" in sys.argv:
     B, T, H, F, N = 2, 128, 256, 1024, 4
+IMPL = "cudnn" if jax.default_backend() == "gpu" else None
 x = jax.random.normal(jax.random.key(0), (B, T, H), jnp.bfloat16)
 dy = jax.random.normal(jax.random.key(1), (B, T, H), jnp.bfloat16)
 layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=F, num_attention_heads=N,
@@ -64,19 +67,38 @@ def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def run(fp8):
+def _option(name):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+def run(fp8, hand_written=False):
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    label = "jax_cudnn" if hand_written else ("transformer_layer_fp8" if fp8 else "transformer_layer_bf16")
     with te.autocast(enabled=fp8, recipe=recipe):
-        variables = layer.init(jax.random.key(2), x, deterministic=False)
+        if hand_written:
+            from flashmesh.bench.layer_models import init_jax_layer, jax_layer
+
+            variables = {"params": init_jax_layer(jax.random.key(2), H, F, jnp.bfloat16)}
+
+            def apply(v, x, key):
+                return jax_layer(v["params"], x, heads=N, implementation=IMPL)
+        else:
+            variables = layer.init(jax.random.key(2), x, deterministic=False)
+
+            def apply(v, x, key):
+                return layer.apply(v, x, deterministic=False, rngs={"dropout": key})
 
         def step(v, x, dy, key):
             def loss(v, x):
-                return jnp.vdot(layer.apply(v, x, deterministic=False, rngs={"dropout": key}), dy).astype(jnp.float32)
+                return jnp.vdot(apply(v, x, key), dy).astype(jnp.float32)
             _, (gv, gx) = jax.value_and_grad(loss, argnums=(0, 1))(v, x)
             return update_fp8_metas(v, gv), gv["params"], gx
 
         f = jax.jit(step)
         text = f.lower(variables, x, dy, jax.random.key(3)).compile().as_text()
+    if _option("--hlo"):
+        with open(f"{_option('--hlo')}/{label}.hlo.txt", "w") as out:
+            out.write(text)
     targets = re.findall(r'custom_call_target="([^"]+)"', text)
     gemms = {t: targets.count(t) for t in set(targets) if "cublas" in t or "cudnn" in t}
     triton = len(re.findall(r"__triton_gemm|triton_nested_gemm", text))
@@ -96,10 +118,10 @@ def run(fp8):
         jax.block_until_ready((variables, g, gx))
         b2b = (time.perf_counter() - t0) / 20
     times.sort()
-    print(f"fp8={fp8}: median {times[10]*1e3:.2f} ms, back-to-back {b2b*1e3:.2f} ms; gemms {gemms} triton {triton}",
+    print(f"{label}: median {times[10]*1e3:.2f} ms, back-to-back {b2b*1e3:.2f} ms; gemms {gemms} triton {triton}",
           flush=True)
     if "--profile" in sys.argv:
-        trace_dir = tempfile.mkdtemp(dir=sys.argv[sys.argv.index("--profile") + 1])
+        trace_dir = tempfile.mkdtemp(dir=_option("--profile"))
         with te.autocast(enabled=fp8, recipe=recipe), jax.profiler.trace(trace_dir):
             for i in range(5):
                 variables, g, gx = f(variables, x, dy, jax.random.key(i))
@@ -107,5 +129,6 @@ def run(fp8):
         print(profile_table(trace_dir, 5), flush=True)
 
 
+run(False, hand_written=True)
 run(False)
 run(True)
