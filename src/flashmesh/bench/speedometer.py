@@ -53,19 +53,28 @@ def create_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | None =
 
 def create_fp8_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | None = None,
                              autocast_kwargs: dict | None = None) -> Callable:
-    """The step of a training loop under FP8 autocast, jitted: (variables, input, output_grad,
-    rngs) -> (new_variables, loss, (variable_grads, input_grads)), where new_variables has the
+    """The step of a training loop under FP8 autocast (a jitted step): (variables, input,
+    output_grad, rngs) -> (new_variables, loss, (variable_grads, input_grads)), where new_variables has the
     `fp8_metas` gradients written over the FP8 state (TransformerEngine's convention: the
     state's new value comes back as its cotangent; `flashmesh.quantization.update_fp8_metas`)."""
     from flashmesh.quantization import update_fp8_metas
 
     value_and_grad = _value_and_grad(model_apply_fn, forward_kwargs, autocast_kwargs)
 
-    def step(variables, inp, grad_target, rngs):
+    def state_step(variables, inp, grad_target, rngs):
         loss, grads = value_and_grad(variables, inp, grad_target, rngs)
-        return update_fp8_metas(variables, grads[0]), loss, grads
+        new = update_fp8_metas(variables, grads[0])
+        return {k: v for k, v in new.items() if k != "params"}, loss, grads
 
-    return jax.jit(step)
+    # The parameters come back outside the jitted step: returned from inside it without
+    # donation, XLA would copy them every step.
+    jitted = jax.jit(state_step)
+
+    def step(variables, inp, grad_target, rngs):
+        state, loss, grads = jitted(variables, inp, grad_target, rngs)
+        return {**variables, **state}, loss, grads
+
+    return step
 
 
 # Steps of a call that names none (set_default_iterations changes them, e.g. for CPU runs).

@@ -96,7 +96,11 @@ def _forward(x, kernel, state, recipe):
     sx = _scales(state, "x", ax, fmt.max_fwd, recipe)
     sk = _scales(state, "kernel", ak, fmt.max_fwd, recipe)
     xq = scaling.quantize(x, sx, fmt.forward_dtype)
-    kq = scaling.quantize(kernel, sk, fmt.forward_dtype)
+    # Quantised once; the forward's [N, K] copy is a transpose of the FP8 bytes. Without the
+    # barrier XLA re-reads the float32 kernel for that copy, and for the fused QKV kernel
+    # ([H, 3, H]) it chose a layout that sent the dgrad to a Triton GEMM with a transpose
+    # inside (the guide's layer on an H200, 2026-12-02 HLO).
+    kq = lax.optimization_barrier(scaling.quantize(kernel, sk, fmt.forward_dtype))
     y = _mm(xq, kq.T, (1.0 / sx) * (1.0 / sk), x.dtype)
     # A zero-size array carries the kernel's dtype (dw is returned in it).
     return y, (xq.T, kq, sx, sk, ax, ak, state, jnp.zeros((0,), kernel.dtype))
