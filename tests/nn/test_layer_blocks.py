@@ -162,6 +162,61 @@ def test_activation_function():
         activation(h, ("tanhh", "linear"))
 
 
+def _saved_residuals(f, *args) -> list[str]:
+    """What autodiff keeps from f's forward for the backward (jax's own account)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, *args)
+    return out.getvalue().strip().splitlines()
+
+
+@pytest.mark.parametrize("acts", [("gelu",), ("silu", "linear")])
+def test_activation_keeps_only_its_input_for_the_backward(acts):
+    """The float32 intermediates (GELU's tanh) are recomputed in the backward, not stored:
+    the only residual is the bf16 input; values and gradients are those of the plain form."""
+    h = _x((4, len(acts), 16), dtype=jnp.bfloat16)
+
+    def loss(h):
+        return activation(h, acts).astype(jnp.float32).sum()
+
+    saved = _saved_residuals(loss, h)
+    assert len(saved) == 1 and saved[0].startswith("bf16[4,%d,16]" % len(acts)), saved
+
+    def plain(h):
+        hf = h.astype(jnp.float32)
+        y = nn.gelu(hf[..., 0, :], approximate=True) if acts == ("gelu",) else nn.silu(hf[..., 0, :]) * hf[..., 1, :]
+        return y.astype(h.dtype).astype(jnp.float32).sum()
+
+    np.testing.assert_array_equal(jax.grad(loss)(h), jax.grad(plain)(h))
+    primal, tangent = jax.jvp(lambda h: activation(h, acts), (h,), (h,))  # forward mode still works
+    assert primal.shape == tangent.shape == (4, 16)
+
+
+def test_f32_kernel_weight_gradient_is_a_bf16_gemm_then_a_cast():
+    """With float32 parameters and bf16 inputs, the weight gradient's GEMM outputs bf16 and the
+    cast to float32 sits behind an optimisation barrier (fused, XLA makes it a slow float32-out
+    Triton GEMM on Hopper); the gradient is the bf16 GEMM's, cast."""
+    x = _x((8, 32), dtype=jnp.bfloat16)
+    kernel = _x((32, 16), seed=1)
+
+    def loss(kernel):
+        from flashmesh.nn.dense import dense_general
+
+        return dense_general(x, kernel, 1).astype(jnp.float32).sum()
+
+    text = str(jax.make_jaxpr(jax.grad(loss))(kernel))
+    assert "optimization_barrier" in text
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert dots and all("bf16[" in line.split("=")[0] for line in dots), dots
+    expected = jnp.dot(x.T, jnp.ones((8, 16), jnp.bfloat16)).astype(jnp.float32)
+    np.testing.assert_array_equal(jax.grad(loss)(kernel), expected)
+
+
 @pytest.mark.parametrize("module,call", [
     (LayerNorm(), {}), (DenseGeneral(features=8, kernel_axes=("embed", "mlp"), bias_axes=("mlp",)), {}),
     (LayerNormDenseGeneral(features=8, kernel_axes=("embed", "mlp")), {}),

@@ -296,3 +296,23 @@ def test_dense_function_form():
     y = dense(x, w, state, R)
     assert y.shape == (32, 16) and y.dtype == jnp.float32
     assert _rel(y, x @ w) < 0.05
+
+
+def test_kernel_is_quantised_once_and_its_forward_copy_is_an_fp8_transpose():
+    """The FP8 kernel [K, N] is quantised once, behind an optimisation barrier, and the
+    forward's [N, K] operand is that array transposed (one byte per element), so XLA cannot
+    re-read the float32 kernel for it; the forward is still the product of the quantised
+    operands."""
+    x, w = _x((32, 64)).astype(jnp.bfloat16), _x((64, 16), seed=1)
+    state = {q: (jnp.full((1,), 4.0), jnp.zeros(4)) for q in ("x", "kernel", "grad")}
+    jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(lambda x, w: dense(x, w, state, R), x, w)[0])(x, w)
+    lines = str(jaxpr).splitlines()
+    barriers = [line for line in lines if "optimization_barrier" in line]
+    assert any("f8_e4m3fn[64,16]" in line for line in barriers), barriers
+    assert any("f8_e4m3fn[16,64]" in line and "transpose" in line for line in lines)
+    quantised = [line for line in lines if "convert_element_type" in line and "f8_e4m3fn[" in line.split("=")[0]]
+    assert len(quantised) == 2, quantised  # x once, the kernel once
+    xq = (x.astype(jnp.float32) * 4.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    wq = (w * 4.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_allclose(dense(x, w, state, R).astype(jnp.float32), (xq @ wq / 16.0).astype(jnp.bfloat16).astype(jnp.float32),
+                               rtol=2e-2, atol=2e-2)

@@ -30,11 +30,11 @@ In the automatic order on a GPU, first for dropout (cuDNN cannot draw flashmesh'
 narrow enough for the window kernel (faster than cuDNN) and any call cuDNN cannot run; cuDNN
 keeps the rest, and context-parallel steps and q of 2^30 elements or more wait for a GPU check
 (`automatic_reason`).
-Measured on the H200 (`flashmesh bench --preset anchors`, benchmarks/results/
-2026-12-01-nvidia-h200-anchors, bf16, fwd / fwd+bwd against cuDNN in the same run): sliding
-window seed000_gqa_swa 1.75x / 1.43x; full_4k_h16_d128 0.90x / 0.90x; causal_8k_h32_d128
-1.02x / 0.95x; causal_8k_h32_d64 1.09x / 0.93x; gqa_causal_16k 1.03x / 0.93x; MLA 128/64
-(cuDNN cannot) 448 / 359 TFLOP/s.
+Measured on the H200 with every peer in one run (`flashmesh bench --preset anchors`,
+benchmarks/results/2026-12-02-nvidia-h200-anchors, bf16, back to back, fwd / fwd+bwd over the
+best of cuDNN, FA3 and tokamax): sliding window seed000_gqa_swa 0.77x / 0.80x; MLA 128/64 0.94x /
+0.94x; full_4k_h16_d128 1.14x / 1.24x; causal_8k_h32_d128 0.98x / 1.23x; causal_8k_h32_d64 0.95x /
+1.16x; gqa_causal_16k 1.13x / 1.22x. The backward is the slower half.
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ def training_step(model: layer_models.Model) -> Callable:
         with model.autocast():
             value, (dvars, dx) = value_and_grad(variables, x, dy, sub)
         state = {}
-        if update is not None:
-            state = {k: v for k, v in update(variables, dvars).items() if k != "params"}
+        if update is not None and "fp8_metas" in variables:
+            state = {"fp8_metas": update(variables, dvars)["fp8_metas"]}
         return state, key, value, dvars, dx
 
     return jax.jit(step)
