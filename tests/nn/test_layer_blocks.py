@@ -217,6 +217,20 @@ def test_f32_kernel_weight_gradient_is_a_bf16_gemm_then_a_cast():
     np.testing.assert_array_equal(jax.grad(loss)(kernel), expected)
 
 
+@pytest.mark.parametrize("module", [DenseGeneral(features=(2, 8)), LayerNormMLP(intermediate_dim=24, use_bias=True)])
+def test_bias_is_added_to_the_2d_gemm_result(module):
+    """The bias joins the GEMM's [M, N] result before the reshape to [..., N...] (the form XLA
+    folds into cuBLAS's bias epilogue): every add of a bias reads a 2-D dot_general result."""
+    x = _x(dtype=jnp.bfloat16)
+    variables = module.init(jax.random.key(0), x, **({} if isinstance(module, DenseGeneral) else {"deterministic": True}))
+    jaxpr = jax.make_jaxpr(lambda v: module.apply(v, x, **({} if isinstance(module, DenseGeneral) else {"deterministic": True})))(variables).jaxpr
+    eqns = list(jaxpr.eqns)
+    dots = {id(e.outvars[0]) for e in eqns if e.primitive.name == "dot_general"}
+    bias_adds = [e for e in eqns if e.primitive.name == "add" and any(id(v) in dots for v in e.invars)]
+    assert len(bias_adds) == len(dots) == (1 if isinstance(module, DenseGeneral) else 2)
+    assert all(len(e.outvars[0].aval.shape) == 2 for e in bias_adds)
+
+
 @pytest.mark.parametrize("module,call", [
     (LayerNorm(), {}), (DenseGeneral(features=8, kernel_axes=("embed", "mlp"), bias_axes=("mlp",)), {}),
     (LayerNormDenseGeneral(features=8, kernel_axes=("embed", "mlp")), {}),

@@ -26,7 +26,8 @@ Two kernels, deterministic (no atomics), as tokamax's sm90 VJP and jax's attenti
   (`band_q_range`). Per step, transposed so that Pᵀ and dSᵀ are WGMMA's register A operand:
   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ log2e - lse log2e),
   dSᵀ = Pᵀ (dPᵀ - delta), then dV += Pᵀ dO and dK += dSᵀ Q (issued together).
-* dQ (Q-stationary): grid (query tile, query head, batch); each compute warpgroup owns
+* dQ (Q-stationary): grid (query tile, query head, batch), query tiles last to first (the
+  longest causal ones first); each compute warpgroup owns
   block_q_dq / W query rows; the memory warpgroup streams K and V tiles of block_kv_dq keys over
   `band_kv_range`. Per step S = Q Kᵀ and dP = dO Vᵀ, then dQ += dS K (dS from registers).
 Tiles outside a band are never loaded or computed; tiles whose pairs are all visible (FULL)
@@ -376,7 +377,10 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     W, stages, bkv = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq
     rows = bs.block_q_dq // W
     dtype = jnp.dtype(spec.dtype)
-    q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    # Longest first (LPT, as the forward's lpt_order): under a causal mask the last query tiles
+    # see the most keys, so they start in the first wave and the short ones fill the last.
+    q_tile = q_ref.shape[1] // bs.block_q_dq - 1 - lax.axis_index("q")
     wg = lax.axis_index("wg")
     if tok_refs is None:
         r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,

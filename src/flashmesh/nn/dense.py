@@ -19,7 +19,7 @@ from flax.linen import partitioning
 from jax import lax
 from jaxtyping import Array, Float
 
-from flashmesh.nn.layernorm import expand, input_layernorm
+from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import state as qstate
 from flashmesh.quantization.dense import dense as fp8_dense
 
@@ -51,11 +51,13 @@ def contracting_axes(axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
 
 
 def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n_contract: int,
-                  recipe=None, state=None) -> Float[Array, "... N..."]:
+                  recipe=None, state=None, bias=None) -> Float[Array, "... N..."]:
     """x's trailing `n_contract` axes contracted with kernel's leading ones, in x's dtype.
 
     recipe None: a dot in x's dtype; otherwise an FP8 GEMM (`flashmesh.quantization.dense`)
-    with the GEMM's state (DelayedScaling) or None (current scaling)."""
+    with the GEMM's state (DelayedScaling) or None (current scaling). bias [N...] (or None) is
+    added in x's dtype to the 2-D GEMM result, the form XLA folds into cuBLAS's bias epilogue
+    (after the reshape to [..., N...] it stays a separate pass over the output)."""
     lead, inner = x.shape[:x.ndim - n_contract], x.shape[x.ndim - n_contract:]
     if tuple(kernel.shape[:n_contract]) != tuple(inner):
         raise ValueError(f"kernel's contracted shape {kernel.shape[:n_contract]} must equal the "
@@ -67,6 +69,10 @@ def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n
         y = lax.dot_general(x2, _cast_for_gemm(k2, x.dtype), (((1,), (0,)), ((), ())))
     else:
         y = fp8_dense(x2, k2, state, recipe)
+    if bias is not None:
+        if tuple(bias.shape) != tuple(out_shape):
+            raise ValueError(f"bias.shape={bias.shape} must equal the kernel's output shape {out_shape}")
+        y = y + bias.reshape(1, n_dim).astype(y.dtype)
     return y.reshape(*lead, *out_shape)
 
 
@@ -98,14 +104,14 @@ class _Projection(nn.Module):
         kernel = partitioning.param_with_axes("kernel", init, (*in_shape, *features), self.dtype,
                                               axes=tuple(self.kernel_axes), module=self)
         recipe, state = qstate.gemm_state(self, postfix)
-        y = dense_general(x, kernel, n_in, recipe, state)
-        if self.enable_low_rank_adaptation:
-            y = y + self._lora(x, in_shape, features)
+        # Parameters in their historical order (kernel, LoRA, bias): it fixes their init keys.
+        lora = self._lora(x, in_shape, features) if self.enable_low_rank_adaptation else None
+        bias = None
         if self.use_bias:
             bias = partitioning.param_with_axes("bias", self.bias_init, features, self.dtype,
                                                 axes=tuple(self.bias_axes), module=self)
-            y = y + expand(bias.astype(y.dtype), y.ndim)
-        return y
+        y = dense_general(x, kernel, n_in, recipe, state, bias)
+        return y if lora is None else y + lora
 
     def _lora(self, x, in_shape, features) -> jax.Array:
         """TE's low-rank adaptation, one adapter per leading output index (a fused QKV

@@ -21,7 +21,7 @@ from flax.linen import partitioning
 from jax.ad_checkpoint import checkpoint_name
 
 from flashmesh.nn.dense import constrain, default_kernel_init, dense_general
-from flashmesh.nn.layernorm import expand, input_layernorm
+from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import state as qstate
 
 __all__ = ["ACTIVATIONS", "activation", "LayerNormMLP"]
@@ -163,9 +163,8 @@ class LayerNormMLP(nn.Module):
         wi = self._param("wi_kernel", self.kernel_init or default_kernel_init(1, 2), (hidden, n, F),
                          self.kernel_axes_1)
         recipe, state = qstate.gemm_state(self, "_0")
-        h = dense_general(x, wi, 1, recipe, state)                     # [..., n, F]
-        if self.use_bias:
-            h = h + expand(self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1).astype(h.dtype), h.ndim)
+        wi_bias = self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1) if self.use_bias else None
+        h = dense_general(x, wi, 1, recipe, state, wi_bias)            # [..., n, F]
         h = checkpoint_name(h, self.ffn1_ckpt_name)
         a = activation(h, names, act_params=self.activation_params)   # [..., F]
         a = nn.Dropout(rate=self.intermediate_dropout_rate,
@@ -176,8 +175,7 @@ class LayerNormMLP(nn.Module):
         wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(1, 1), (F, hidden),
                          self.kernel_axes_2)
         recipe, state = qstate.gemm_state(self, "_1")
-        y = dense_general(a, wo, 1, recipe, state)
-        if self.use_bias:
-            y = y + expand(self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2).astype(y.dtype), y.ndim)
+        wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2) if self.use_bias else None
+        y = dense_general(a, wo, 1, recipe, state, wo_bias)
         y = checkpoint_name(y, self.ffn2_ckpt_name)
         return y, ln_out
