@@ -1,6 +1,11 @@
 """Diagnosis only (numbers are claimed from `flashmesh bench`): the Mosaic GPU forward
 (`attention/pallas_mosaic_gpu_sm90.py`) against cuDNN on a few anchor shapes:
-error against cuDNN and the time per call of 20 calls back to back, each block size listed."""
+error against cuDNN and the time per call of 20 calls back to back, each block size listed.
+
+`--fwdbwd`: also fwd+bwd of the registered implementation against cuDNN's. `--bwd`: the
+backward kernels alone (`pallas_mosaic_gpu_sm90_bwd.backward_spec`) per BackwardBlockSizes in
+BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each checked against
+the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale."""
 import sys
 import time
 import traceback
@@ -10,6 +15,7 @@ import jax.numpy as jnp
 
 import flashmesh
 from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
+from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
 
 SHAPES = [  # name, B, T, N, K, D, window
@@ -43,6 +49,39 @@ EXTRA = {  # shape-specific tiles
 }
 
 
+# BackwardBlockSizes fields per backward config; dict() is default_for's two-kernel backward.
+BWD_CONFIGS = [dict(), dict(num_stages=2, fused_dq=True), dict(num_stages=1, fused_dq=True)]
+
+
+def backward_alone(name, q, k, v, window, t_cudnn_fwd):
+    """The backward kernels per config at the forward's out and lse, back to back."""
+    D = q.shape[-1]
+    spec = sm90.spec_for(q, k, v, scale=D ** -0.5, window=window)
+    out, lse = jax.jit(lambda q, k, v: sm90.forward_spec(q, k, v, spec))(q, k, v)
+    do = jax.random.normal(jax.random.key(5), out.shape, out.dtype)
+    causal = window[1] == 0
+    cudnn = jax.jit(jax.grad(lambda q, k, v: jnp.sum(flashmesh.attention(
+        q, k, v, mask="causal" if causal else "none", window=None if window[0] < 0 else window,
+        implementation="cudnn").astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
+    print(f"  bwd cudnn (fwd+bwd - fwd): {back_to_back(cudnn, q, k, v) - t_cudnn_fwd:.3f} ms", flush=True)
+    first = None
+    for cfg in BWD_CONFIGS:
+        try:
+            bs = bwd.default_for(spec) if not cfg else bwd.BackwardBlockSizes(**cfg)
+            f = jax.jit(lambda q, k, v, out, lse, do: bwd.backward_spec(q, k, v, out, lse, do, spec,
+                                                                       block_sizes=bs)[:3])
+            grads = jax.block_until_ready(f(q, k, v, out, lse, do))
+            first = grads if first is None else first
+            err = max(float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+                      for a, b in zip(grads, first))
+            t = back_to_back(f, q, k, v, out, lse, do)
+            print(f"  bwd mosaic {cfg or 'default'}: {t:.3f} ms, max rel err vs default {err:.1e}", flush=True)
+        except Exception as e:  # a probe: report and go on
+            print(f"  bwd mosaic {cfg or 'default'}: FAILED {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:400] if str(e) else ''}", flush=True)
+            traceback.print_exc(limit=3)
+
+
 def back_to_back(f, *args, n=20):
     jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
@@ -67,6 +106,9 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
+        if "--bwd" in sys.argv:
+            backward_alone(name, q, k, v, window, t_ref)
+            continue
         if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's
             for impl in ("cudnn", "pallas_mosaic_gpu"):
                 try:

@@ -70,6 +70,12 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     # the split dK/dV passes (what d256 and MLA 192/128 take), here at d64 with a sink
     Case("split_dkv_passes_learnable_gqa", T=128, S=192, N=2, K=1, window=(-1, 0),
          softmax="learnable", blocks=dataclasses.replace(ONE_WG, split_dkv=True)),
+    # one fused kernel (dQ += dS K inside the dK/dV kernel, five GEMMs): 4 x 4 causal tiles,
+    # G = 2 heads per CTA; then 2 warpgroups, tails, a cap and a learnable sink
+    Case("fused_dq_causal_gqa", T=256, S=256, N=2, K=1, window=(-1, 0),
+         blocks=dataclasses.replace(ONE_WG, fused_dq=True)),
+    Case("fused_dq_two_wgs_tails_cap_learnable", T=200, S=136, N=2, K=2, cap=1.5,
+         softmax="learnable", blocks=BBS(num_stages=2, fused_dq=True)),
 ]
 GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 and MLA 192/128
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -96,6 +102,13 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          blocks=None),
     Case("gpu_d64_window_tails_br", T=1000, S=1100, N=4, K=4, window=(256, 0),
          bottom_right=True, blocks=None),
+    # the fused backward (not yet compiled on a GPU when written, 2026-12-02)
+    Case("gpu_fused_dq_d128_causal_gqa", T=1024, S=1024, N=8, K=2, Dqk=128, Dv=128,
+         window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True)),
+    Case("gpu_fused_dq_d64_window_tails_br", T=1000, S=1100, N=4, K=4, window=(256, 0),
+         bottom_right=True, blocks=BBS(num_stages=2, fused_dq=True)),
+    Case("gpu_fused_dq_d128_full_tails", T=700, S=900, N=4, K=4, Dqk=128, Dv=128,
+         blocks=BBS(num_stages=2, fused_dq=True)),
 ]
 
 
@@ -186,6 +199,9 @@ def test_backward_gpu(case):
     Case("mla_128_64_f16_one_wg_tails", T=200, S=300, N=1, K=1, Dqk=128, Dv=64,
          window=(-1, 0), bottom_right=True, dtype="float16",
          blocks=dataclasses.replace(ONE_WG, num_stages=3)),
+    # the fused kernel: TMA reduce-add into a jax.Ref, dSᵀ as WGMMA's transposed A; one launch
+    Case("fused_dq_d128_causal_gqa", T=512, S=512, N=4, K=2, Dqk=128, Dv=128, window=(-1, 0),
+         blocks=BBS(num_stages=2, fused_dq=True)),
 ], ids=lambda c: c.name)
 def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU
@@ -207,6 +223,10 @@ def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     f.trace(q, k, v, do, lse, do).lower(lowering_platforms=("cuda",))
     blocks = bwd.default_for(spec) if case.blocks is None else case.blocks
     estimate = blocks.smem_bytes(spec)
+    if blocks.fused_dq:  # no dQ kernel
+        assert len(counted) == 1 and set(estimate) == {"dkv"}, (counted, estimate)
+        assert counted[0] <= estimate["dkv"], (counted, estimate)
+        return
     *dkv, dq = counted  # the split dK/dV passes are two launches
     assert len(dkv) == (2 if blocks.split_dkv else 1), counted
     assert max(dkv) <= estimate["dkv"] and dq <= estimate["dq"], (counted, estimate)
@@ -267,6 +287,18 @@ def test_block_sizes_and_refusals():
     assert BBS(split_dkv=True).registers(mla)["dkv"] <= 240
     with pytest.raises(ValueError, match="split_dkv=1 must be a bool"):
         BBS(split_dkv=1)
+    with pytest.raises(ValueError, match="fused_dq=True needs split_dkv=False"):
+        BBS(fused_dq=True, split_dkv=True)
+    with pytest.raises(ValueError, match="fused_dq=True cannot take a bias"):
+        BBS(fused_dq=True).validate_for(dataclasses.replace(spec, bias_shape=(1, 1, 128, 128)))
+    # fused, d128 bf16: the dK/dV kernel plus dSᵀ (128 keys x 64 queries x 2 B) and each
+    # warpgroup's float32 partial dQ (64 x 128 x 4 B); the accumulators peak at dK, dV and
+    # then dQ with the 16-bit dSᵀ, Pᵀ: 128 + max(64 + 16, 64 + 32) = 224 registers per thread
+    fused = BBS(num_stages=2, fused_dq=True)
+    assert fused.smem_bytes(spec) == {"dkv": 2 * 64 * 520 + 128 * 512 + 128 * 64 * 2 + 2 * 64 * 128 * 4 + 2048}
+    assert fused.registers(spec) == {"dkv": 224}
+    with pytest.raises(ValueError, match=r"num_stages=3.*dkv kernel needs"):
+        BBS(num_stages=3, fused_dq=True).validate_for(spec)
     x = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 128), jnp.float32)
     bad = dataclasses.replace(spec, bias_shape=(1, 1, 128, 128))

@@ -138,6 +138,9 @@ GPU_CASES = [
          blocks=None),
     Case("gpu_d64_window_tails", T=1000, S=1100, N=4, K=4, rate=0.1,
          options=(("mask", "causal_bottom_right"), ("window", (256, 0))), blocks=None),
+    # the fused backward (BackwardBlockSizes.fused_dq; not yet compiled on a GPU, 2026-12-02)
+    Case("gpu_fused_dq_d128_causal_gqa", T=1024, S=1024, N=8, K=2, D=128, options=(("mask", "causal"),),
+         blocks=(TWO_WG, dataclasses.replace(TWO_WG_BWD, fused_dq=True))),
 ]
 
 

@@ -83,7 +83,15 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
     Case("gpu_16_documents_causal_d128", N=8, K=2, D=128, blocks=None,
          q_ids=(tuple((i + 1, n) for i, n in enumerate(
              [97, 400, 31, 256, 512, 129, 64, 300, 199, 255, 257, 130, 70, 600, 300, 306])),)),
+    # the fused backward (BackwardBlockSizes.fused_dq) over the block map's tile ranges, with
+    # padding and dropout (not yet compiled on a GPU when written, 2026-12-02)
+    Case("gpu_fused_dq_padding_cross_dropout", mask="none", dropout_rate=0.2, seqlens=True,
+         q_ids=(((1, 70), (0, 30)), ((1, 100),)), kv_ids=(((1, 110),), ((1, 40), (0, 70))),
+         blocks=(FWD, dataclasses.replace(BWD, fused_dq=True))),
 ]
+# In the interpreter: the fused backward with packed documents, a window and dropout.
+FUSED_CASE = Case("fused_dq_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.25,
+                  blocks=(FWD, dataclasses.replace(BWD, fused_dq=True)))
 
 
 def visible(case: Case, q_ids, kv_ids) -> np.ndarray:
@@ -203,13 +211,13 @@ def check_case(case: Case, *, interpret: bool):
         assert (np.asarray(ranges[..., 3] - ranges[..., 0]) < nk).any(), np.asarray(ranges)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + [FUSED_CASE], ids=lambda c: c.name)
 def test_segments_interpret(case, interpreter):
     check_case(case, interpret=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + GPU_CASES + [FUSED_CASE], ids=lambda c: c.name)
 def test_segments_gpu(case):
     check_case(case, interpret=False)
 

@@ -162,8 +162,13 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
     compiled = ("forward compile time not measured (no tuned entry)" if compile_s is None else
                 f"forward compiled in {compile_s:.2f} s when tuned")
     passes = " in two passes (dK, then dV)" if back.split_dkv else ""
-    return (f"{forward} from {source}; backward dK/dV {back.block_q}x{back.block_kv}{passes}, dQ "
-            f"{back.block_q_dq}x{back.block_kv_dq}, {back.num_stages} stages; {compiled}")
+    if back.fused_dq:
+        backward = (f"backward one fused kernel {back.block_q}x{back.block_kv} (dK/dV, and dQ by TMA "
+                    f"reduce-add; not bit-reproducible)")
+    else:
+        backward = (f"backward dK/dV {back.block_q}x{back.block_kv}{passes}, dQ "
+                    f"{back.block_q_dq}x{back.block_kv_dq}")
+    return f"{forward} from {source}; {backward}, {back.num_stages} stages; {compiled}"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

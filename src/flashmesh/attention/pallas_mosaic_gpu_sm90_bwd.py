@@ -18,7 +18,7 @@ dC' = P ∘ (dP ∘ keep - (1 - r) delta), with (1 - r) delta scaled in XLA. dQ,
 the 1 / (1 - r) at the end, with the logit scale, so each element pays two selects on top
 of its hash.
 
-Two kernels, deterministic (no atomics), as tokamax's sm90 VJP and jax's attention_mgpu:
+By default two kernels, deterministic (no atomics), as tokamax's sm90 VJP and jax's attention_mgpu:
 * dK/dV (KV-stationary, FA2/FA3): grid (key tile, kv head, batch); each of W compute
   warpgroups owns block_kv / W keys and keeps dK, dV in registers; the memory warpgroup streams
   (Q, dO, lse, delta) tiles of block_q rows by TMA into a ring of num_stages SMEM slots, over the
@@ -30,6 +30,13 @@ Two kernels, deterministic (no atomics), as tokamax's sm90 VJP and jax's attenti
   longest causal ones first); each compute warpgroup owns
   block_q_dq / W query rows; the memory warpgroup streams K and V tiles of block_kv_dq keys over
   `band_kv_range`. Per step S = Q Kᵀ and dP = dO Vᵀ, then dQ += dS K (dS from registers).
+* Fused (`BackwardBlockSizes.fused_dq`, opt-in; FA3's five GEMMs): the dK/dV kernel alone,
+  each step also storing dSᵀ to SMEM and computing dQ_part = dS K over the warpgroup's keys
+  (dSᵀ as WGMMA's transposed A), which leaves by TMA reduce-add into a float32 accumulator
+  [B, Tp, N, Dqk] (a jax.Ref, zeroed); the wrapper scales and casts it. The dQ kernel's S and
+  dP GEMMs are saved; the float32 additions' order varies, so dQ is not bit-reproducible. The
+  interpreter has no TMA reduction: there each (key tile, warpgroup) writes its own slice of a
+  [nkv * W, B, Tp, N, Dqk] accumulator, summed afterwards. Not with a bias or split_dkv.
 Tiles outside a band are never loaded or computed; tiles whose pairs are all visible (FULL)
 run without mask arithmetic. GQA sums dK/dV over the group's heads inside the kernel.
 
@@ -69,8 +76,8 @@ Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte ro
 256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
 step's (wgmma_wait(1)), ping-pong between
 warpgroups, a persistent LPT grid, OOB-filled TMA instead of padded copies,
-`unsafe_no_auto_barriers`, a fused single kernel with a dQ reduction (FA3's 5 GEMMs instead
-of 7).
+`unsafe_no_auto_barriers`; the fused kernel is not yet the default (not yet compiled and
+timed on a GPU when written, 2026-12-02: `benchmarks/probe_mosaic.py --bwd` compares them).
 
 Example (sm90 = flashmesh.attention.pallas_mosaic_gpu_sm90, q/k/v/do as sm90.forward's):
     >>> spec = sm90.spec_for(q, k, v, scale=0.125, window=(-1, 0))
@@ -179,8 +186,8 @@ def _ring_drain(consumed, slot_of, total, stages):
 
 # -- the dK/dV kernel ---------------------------------------------------------------------------
 
-def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, tok_refs, dk_ref,
-                dv_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
+def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, dq_ref, tok_refs,
+                dk_ref, dv_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
                 interpret: bool, part: str = "both"):
     # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk],
     # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
@@ -191,13 +198,17 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
     # hash_smem [stages, bq] uint32 or None; bias_ref: the bias transposed, [B|1, N|1, Sp, Tp],
     # or None, bias_smem [stages, W, rows, bq]; tok_refs None or (ranges [B, Sp / block_kv, 4],
     # q tables [B, Tp], kv tables [B, Sp]) (segments: ids, positions under a window);
-    # kvtok_smem [W, rows] int32 per kv table, qtok_smem [stages, bq] int32 per q table
+    # kvtok_smem [W, rows] int32 per kv table, qtok_smem [stages, bq] int32 per q table;
+    # fused dQ (bs.fused_dq, else None): dq_ref the float32 accumulator [B, Tp, N, Dqk] (a GPU:
+    # TMA reduce-add) or [nkv * W, B, Tp, N, Dqk] (interpret: one slice per key tile and
+    # warpgroup, summed by the caller), ds_smem [W, rows, bq] (dSᵀ, the dQ GEMM's A
+    # transposed), dq_smem [W, bq, Dqk] float32 (the warpgroup's partial dQ on its way out)
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem,
-     bias_smem) = smem[:10]
+     bias_smem, ds_smem, dq_smem) = smem[:12]
     (k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready,
      bias_ready) = barriers[:9]
-    n_tok = len(smem[10:]) // 2
-    kvtok_smem, qtok_smem = smem[10:10 + n_tok], smem[10 + n_tok:]
+    n_tok = len(smem[12:]) // 2
+    kvtok_smem, qtok_smem = smem[12:12 + n_tok], smem[12 + n_tok:]
     kvtok_ready, qtok_ready = barriers[9:9 + n_tok], barriers[9 + n_tok:]
     dropout = hash_ref is not None
     stats_ready = ((q_ready, do_ready, lse_ready, delta_ready) + ((hash_ready,) if dropout else ())
@@ -285,7 +296,29 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
             used = None if staging is None else staging[:len(lhs)]
             carry = accumulate(carry, tuple(lhs), tuple(rhs), used)
             plgpu.barrier_arrive(consumed.at[slot])
+            if dq_ref is not None:
+                _dq_step(lhs[0], q_tile, kv_head * G + g)
             return carry
+
+        def _dq_step(ds16, q_tile, head):
+            """dQ[q rows] += dS K over this warpgroup's keys: dSᵀ to SMEM, one GEMM with it as
+            the transposed A, the partial out of SMEM by a TMA reduce-add (FA3's fifth GEMM)."""
+            ds_smem.at[wg][...] = ds16
+            plgpu.commit_smem()
+
+            def mma(acc):
+                plgpu.wgmma(acc, ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg])
+                return acc[...]
+
+            part_dq = pl.run_scoped(mma, plgpu.ACC((bq, spec.qk_dim), jnp.float32))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's partial has left
+            dq_smem.at[wg][...] = part_dq
+            plgpu.commit_smem()
+            rows_q = pl.ds(q_tile * bq, bq)
+            if interpret:  # no TMA reduction in the interpreter: this (key tile, wg)'s slice
+                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[kv_tile * W + wg, batch, rows_q, head])
+            else:
+                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[batch, rows_q, head], reduction_op="add")
 
         def head(g, carry):  # the group's query heads share the band, so one range serves all
             masked_step = functools.partial(q_step, g=g, masked=True)
@@ -565,7 +598,9 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
             smem_tile((W, rows, bq), dtype) if interpret else None,
             smem_tile((W, rows, bq), dtype) if interpret else None,
             plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None,
-            smem_tile((stages, W, rows, bq), dtype) if bias_t is not None else None]
+            smem_tile((stages, W, rows, bq), dtype) if bias_t is not None else None,
+            smem_tile((W, rows, bq), dtype) if bs.fused_dq else None,
+            plgpu.SMEM((W, bq, spec.qk_dim), jnp.float32) if bs.fused_dq else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bq), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
@@ -573,12 +608,20 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
     barriers += [plgpu.Barrier(num_barriers=stages) if dropout else None]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) if bias_t is not None else None]
     barriers += [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=stages)] * n_tok
-    inputs = (q, k, v, do, lse2, delta, row_hash, bias_t, tok)
+    dq_acc = None
+    if bs.fused_dq:  # float32, zeroed, updated in place (a jax.Ref the kernel adds into)
+        slices = (grid[0] * W,) if interpret else ()
+        dq_acc = jax.new_ref(jnp.zeros(slices + q.shape[:3] + (spec.qk_dim,), jnp.float32))
+    inputs = (q, k, v, do, lse2, delta, row_hash, bias_t, dq_acc, tok)
     dk_type, dv_type = jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)
     if not bs.split_dkv:
         kernel = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret)
-        return _launch(kernel, inputs, (dk_type, dv_type), smem, barriers, grid,
-                       ("kv", "heads", "batch"), bs, interpret)
+        dk, dv = _launch(kernel, inputs, (dk_type, dv_type), smem, barriers, grid,
+                         ("kv", "heads", "batch"), bs, interpret)
+        if dq_acc is None:
+            return dk, dv, None
+        dq = dq_acc[...]
+        return dk, dv, dq.sum(axis=0) if interpret else dq
     outs = []
     for part, out_type in (("dk", dk_type), ("dv", dv_type)):  # one accumulator per pass
         one = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret, part=part)
@@ -589,7 +632,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
 
         outs += _launch(kernel, inputs, (out_type,), smem, barriers, grid, ("kv", "heads", "batch"),
                         bs, interpret)
-    return tuple(outs)
+    return (*outs, None)
 
 
 def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):
@@ -687,8 +730,11 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     if bias is not None:  # zero-padded like q, k; the dK/dV kernel reads it transposed
         bias_p = pad_to(pad_to(bias.astype(q.dtype), 2, int(q_mult)), 3, int(kv_mult))
         bias_t = bias_p.swapaxes(2, 3)
-    dk, dv = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs, interpret)
-    dq, dbias = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_p, tables, spec, bs, interpret)
+    dk, dv, dq = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs, interpret)
+    if dq is None:
+        dq, dbias = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_p, tables, spec, bs, interpret)
+    else:  # fused: dS K summed over the key tiles; the scale and dropout's 1 / (1 - r) here
+        dq, dbias = (dq * (spec.scale / (1.0 - spec.dropout_rate))).astype(q.dtype), None
     S, T = spec.kv_len, spec.q_len
     if dbias is not None:
         dbias = _reduce_dbias(dbias[:, :, :T, :S], spec, tables, bs).astype(bias.dtype)

@@ -40,6 +40,11 @@ class BackwardBlockSizes:
     split_dkv: run the dK/dV kernel twice, once accumulating dV only (Sᵀ, Pᵀ, dV) and once dK
       only (Sᵀ, dPᵀ, dSᵀ, dK), so that large head dims (d256, MLA 192/128) fit the register
       file; Sᵀ is computed in both passes (one GEMM more).
+    fused_dq: one kernel and five GEMMs (FA3): the dK/dV kernel also computes dQ += dS K per
+      step and adds each warpgroup's float32 partial into a dQ accumulator by TMA reduce-add;
+      no dQ kernel (whose S and dP are the two GEMMs saved). Not with split_dkv nor a bias (its
+      gradient comes from the dQ kernel's dS). The reductions' order varies from run to run,
+      so dQ is not bit-reproducible; the default (False) is deterministic.
     """
 
     block_q: int = 64
@@ -51,6 +56,7 @@ class BackwardBlockSizes:
     compute_registers: int = 240  # FA3's split of the register file for its backward
     memory_registers: int = 24
     split_dkv: bool = False
+    fused_dq: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -66,8 +72,12 @@ class BackwardBlockSizes:
         for name in ("block_q", "block_kv_dq"):
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
-        if not isinstance(self.split_dkv, bool):
-            raise ValueError(f"BackwardBlockSizes.split_dkv={self.split_dkv!r} must be a bool")
+        for name in ("split_dkv", "fused_dq"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
+        if self.fused_dq and self.split_dkv:
+            raise ValueError("BackwardBlockSizes.fused_dq=True needs split_dkv=False (the fused "
+                             "step needs dSᵀ, which only the dK pass has)")
         for name in ("compute_registers", "memory_registers"):
             check(name, lambda r: 24 <= r <= 256 and r % 8 == 0, "a multiple of 8 in [24, 256]")
         per_thread = self.compute_registers * self.num_compute_wgs + self.memory_registers
@@ -93,6 +103,9 @@ class BackwardBlockSizes:
         if spec.has_bias:  # the ring of bias tiles; dQ also stages its dS tile for dbias
             dkv += stages * self.block_kv * self.block_q * size + SMEM_SLACK // 2
             dq += (stages + 1) * self.block_q_dq * self.block_kv_dq * size + SMEM_SLACK // 2
+        if self.fused_dq:  # dSᵀ and the float32 partial dQ of each warpgroup; no dQ kernel
+            dkv += self.block_kv * self.block_q * size + W * self.block_q * spec.qk_dim * 4
+            return {"dkv": dkv + SMEM_SLACK}
         return {"dkv": dkv + SMEM_SLACK, "dq": dq + SMEM_SLACK}
 
     def registers(self, spec: AttentionSpec) -> dict[str, int]:
@@ -105,6 +118,11 @@ class BackwardBlockSizes:
         if self.split_dkv:  # the dV pass: Sᵀ, dV, Pᵀ; the dK pass: Sᵀ, dPᵀ, dK, dSᵀ
             dkv = max(kv_rows * (self.block_q + spec.v_dim) // WARPGROUP + p16,
                       kv_rows * (2 * self.block_q + spec.qk_dim) // WARPGROUP + p16)
+        elif self.fused_dq:  # dK, dV live throughout; Sᵀ, dPᵀ, then the partial dQ and dSᵀ
+            dkv = (kv_rows * (spec.qk_dim + spec.v_dim) // WARPGROUP
+                   + max(kv_rows * 2 * self.block_q // WARPGROUP + p16,
+                         self.block_q * spec.qk_dim // WARPGROUP + 2 * p16))
+            return {"dkv": dkv}
         else:
             dkv = kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP + 2 * p16
         return {"dkv": dkv,
@@ -113,6 +131,9 @@ class BackwardBlockSizes:
 
     def validate_for(self, spec: AttentionSpec) -> "BackwardBlockSizes":
         """self, checked against a call (ValueError naming the field that does not fit)."""
+        if self.fused_dq and spec.has_bias:
+            raise ValueError("BackwardBlockSizes.fused_dq=True cannot take a bias: its gradient "
+                             "comes from the dQ kernel's dS; use fused_dq=False")
         step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
         for name in ("block_q", "block_kv_dq"):
             if getattr(self, name) % step:
