@@ -271,6 +271,53 @@ def test_sharded_data_parallel_step_equals_one_device(axis_type):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), one["fp8_metas"], two["fp8_metas"])
 
 
+@pytest.mark.parametrize("recipe", [R, Float8CurrentScaling()], ids=["delayed", "current"])
+def test_data_parallel_shard_map_equals_one_device(recipe):
+    """Inside `shard_map` (manual-axis types checked, the default) over a data-parallel mesh:
+    the replicated kernel's gradient is the sum over the shards, the amaxes are global, so dx
+    and the new state equal the one-device ones exactly and dw to the bf16 rounding of the
+    shards' partial sums."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w, dy = _x((16, 32)).astype(jnp.bfloat16), _x((32, 24), seed=1), _x((16, 24), seed=2)
+    state = ({q: (jnp.full((1,), 8.0), jnp.zeros(4)) for q in ("x", "kernel", "grad")}
+             if isinstance(recipe, DelayedScaling) else None)
+
+    def loss(x, w, state, dy):
+        return jnp.sum(dense(x, w, state, recipe).astype(jnp.float32) * dy)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    one = jax.jit(grad)(x, w, state, dy)
+    rows, rep = jax.P("data"), jax.P()
+    sharded = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(rows, rep, rep, rows),
+                                    out_specs=(rows, rep, rep)))(x, w, state, dy)
+    np.testing.assert_array_equal(np.asarray(one[0], np.float32), np.asarray(sharded[0], np.float32))
+    assert _rel(sharded[1], one[1]) < 1e-2
+    jax.tree.map(np.testing.assert_array_equal, one[2], sharded[2])
+
+
+@pytest.mark.parametrize("kernel_spec", [("model", None), (None, "model")], ids=["row", "column"])
+def test_tensor_parallel_kernel_with_explicit_axes_equals_one_device(kernel_spec):
+    """Sharding in types (Explicit axes) on a (data, model) mesh with a row- or column-parallel
+    kernel: the input gradient takes x's sharding (the dgrad contracts the column-parallel
+    axis), the weight gradient the kernel's, and both equal the unsharded ones."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x, w = _x((16, 32)).astype(jnp.bfloat16), _x((32, 24), seed=1)
+    state = {q: (jnp.full((1,), 4.0), jnp.zeros(4)) for q in ("x", "kernel", "grad")}
+
+    def loss(x, w):
+        return jnp.sum(jnp.square(dense(x, w, state, R).astype(jnp.float32)))
+
+    one = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    x_spec = jax.P("data", "model" if kernel_spec[0] == "model" else None)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, x_spec))
+        ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.P(*kernel_spec)))
+        dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+    assert jax.typeof(dx).sharding.spec == x_spec and jax.typeof(dw).sharding.spec == jax.P(*kernel_spec)
+    f32 = [np.asarray(a, np.float32) for a in (dx, one[0], dw, one[1])]
+    assert _rel(f32[0], f32[1]) < 1e-2 and _rel(f32[2], f32[3]) < 1e-2
+
+
 def test_checkpoint_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     module = LayerNormMLP(intermediate_dim=32)
@@ -298,6 +345,17 @@ def test_dense_function_form():
     assert _rel(y, x @ w) < 0.05
 
 
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (custom VJPs, pjit)."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
 def test_kernel_is_quantised_once_and_its_forward_copy_is_an_fp8_transpose():
     """The FP8 kernel [K, N] is quantised once, behind an optimisation barrier, and the
     forward's [N, K] operand is that array transposed (one byte per element), so XLA cannot
@@ -307,9 +365,11 @@ def test_kernel_is_quantised_once_and_its_forward_copy_is_an_fp8_transpose():
     state = {q: (jnp.full((1,), 4.0), jnp.zeros(4)) for q in ("x", "kernel", "grad")}
     jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(lambda x, w: dense(x, w, state, R), x, w)[0])(x, w)
     lines = str(jaxpr).splitlines()
-    barriers = [line for line in lines if "optimization_barrier" in line]
-    assert any("f8_e4m3fn[64,16]" in line for line in barriers), barriers
-    assert any("f8_e4m3fn[16,64]" in line and "transpose" in line for line in lines)
+    (barrier,) = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"]
+    assert barrier.outvars[0].aval.shape == (64, 16) and barrier.outvars[0].aval.dtype == jnp.float8_e4m3fn
+    transposes = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "transpose"
+                  and e.invars[0] is barrier.outvars[0]]  # the forward's [N, K] operand
+    assert transposes and transposes[0].outvars[0].aval.shape == (16, 64)
     quantised = [line for line in lines if "convert_element_type" in line and "f8_e4m3fn[" in line.split("=")[0]]
     assert len(quantised) == 2, quantised  # x once, the kernel once
     xq = (x.astype(jnp.float32) * 4.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)

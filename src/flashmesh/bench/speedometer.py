@@ -53,7 +53,8 @@ def create_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | None =
 
 def create_fp8_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | None = None,
                              autocast_kwargs: dict | None = None) -> Callable:
-    """The step of a training loop under FP8 autocast (a jitted step): (variables, input,
+    """The step of a training loop under FP8 autocast (a Python function around a jitted
+    step, so not itself lowerable with `.lower()`): (variables, input,
     output_grad, rngs) -> (new_variables, loss, (variable_grads, input_grads)), where new_variables has the
     `fp8_metas` gradients written over the FP8 state (TransformerEngine's convention: the
     state's new value comes back as its cotangent; `flashmesh.quantization.update_fp8_metas`)."""

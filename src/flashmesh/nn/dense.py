@@ -79,9 +79,11 @@ def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n
 def _cast_for_gemm(kernel: jax.Array, dtype) -> jax.Array:
     """The kernel in the GEMM's dtype. Where that is a cast (float32 parameters, bf16 inputs),
     an optimisation barrier sits on the cast kernel, so that the weight gradient's cast back
-    to float32 stays out of its GEMM: fused into it, XLA emits a Triton GEMM with a float32
-    output, 1.3-1.4x slower than cuBLAS's bf16 GEMM plus the separate cast (the guide's layer
-    on an H200, 2026-12-02 profile: 1.77 ms for the FFN2 weight gradient)."""
+    to float32 stays out of its GEMM: fused into it, XLA emitted a Triton GEMM with a float32
+    output, about 1.3x slower than cuBLAS's bf16 GEMM (the guide's layer on an H200: 1.77 ms for
+    the FFN2 weight gradient; benchmarks/results/2026-12-02-nvidia-h200-layer/profile/). The
+    gradient is then the bf16 GEMM's, cast (what the jaxpr says; the fused form skipped that
+    rounding)."""
     if kernel.dtype == dtype:
         return kernel
     return lax.optimization_barrier(kernel.astype(dtype))

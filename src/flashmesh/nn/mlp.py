@@ -75,7 +75,8 @@ def _activation_rematerialised(x: jax.Array, names: tuple[str, ...]) -> jax.Arra
     """The activation in float32, in x's dtype. Under autodiff only x is kept for the
     backward, which recomputes the float32 intermediates inside its own fusion (as TE's
     kernels do): otherwise XLA keeps them (e.g. GELU's tanh) as float32 arrays, twice the
-    bytes of the input (at the guide's size, 0.8 GB of traffic per step, 2026-12-02 HLO)."""
+    bytes of the input (at the guide's size 0.8 GB of traffic per step: the GELU fusion of
+    benchmarks/results/2026-12-02-nvidia-h200-layer/profile/ba2dd47-*.hlo)."""
     xf = x.astype(jnp.float32)
     y = ACTIVATIONS[names[0]](xf[..., 0, :])
     if len(names) == 2:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashmesh.attention.varying import varying_axes
 from flashmesh.quantization import combine, scaling
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -64,6 +65,39 @@ def _wgrad_sharding(kernel_like, x_like):
     return None
 
 
+def _summed_like(grad, primal_like):
+    """Inside `shard_map`: the cotangent summed over the manual axes it varies along but its
+    primal does not (a kernel replicated over the data axis gets the sum of every shard's
+    weight gradient), what autodiff's transpose of the implicit broadcast does for a plain dot."""
+    extra = tuple(a for a in varying_axes(grad) if a not in varying_axes(primal_like))
+    return lax.psum(grad, extra) if extra else grad
+
+
+def _output_sharding(x, kernel):
+    """y's sharding where the mesh shards in types (Explicit axes): x's rows, the kernel's
+    columns. The forward contracts the kernel's input axis, which a row-parallel kernel (and
+    its input) shard, and JAX does not guess where the sum goes. None otherwise."""
+    if not (_explicit(x) or _explicit(kernel)):
+        return None
+    def spec(a):
+        return tuple(jax.typeof(a).sharding.spec) + (None, None)
+    mesh = jax.typeof(x if _explicit(x) else kernel).sharding.mesh
+    rows = spec(x)[0] if _explicit(x) else None
+    cols = spec(kernel)[1] if _explicit(kernel) else None
+    return jax.sharding.NamedSharding(mesh, jax.P(rows, cols))
+
+
+def _dgrad_sharding(xqT):
+    """The input gradient's sharding where the mesh shards in types (Explicit axes): x's own
+    (the transpose of the saved xqT's). The dgrad contracts the kernel's output axis, which a
+    column-parallel kernel shards, and JAX does not guess where the sum goes. None otherwise."""
+    if not _explicit(xqT):
+        return None
+    sharding = jax.typeof(xqT).sharding
+    spec = tuple(sharding.spec) + (None,) * (2 - len(tuple(sharding.spec)))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.P(spec[1], spec[0]))
+
+
 def _scales(state, name, amax_now, fp8_max, recipe):
     if isinstance(recipe, DelayedScaling):
         return combine.to_float32(state[name][0])
@@ -97,11 +131,13 @@ def _forward(x, kernel, state, recipe):
     sk = _scales(state, "kernel", ak, fmt.max_fwd, recipe)
     xq = scaling.quantize(x, sx, fmt.forward_dtype)
     # Quantised once; the forward's [N, K] copy is a transpose of the FP8 bytes. Without the
-    # barrier XLA re-reads the float32 kernel for that copy, and for the fused QKV kernel
+    # barrier XLA re-read the float32 kernel for that copy, and for the fused QKV kernel
     # ([H, 3, H]) it chose a layout that sent the dgrad to a Triton GEMM with a transpose
-    # inside (the guide's layer on an H200, 2026-12-02 HLO).
+    # inside (gemm_fusion_dot_general.24 in benchmarks/results/2026-12-02-nvidia-h200-layer/
+    # profile/ba2dd47-transformer_layer_fp8.hlo.txt.gz; the effect of the barrier there is not
+    # yet profiled).
     kq = lax.optimization_barrier(scaling.quantize(kernel, sk, fmt.forward_dtype))
-    y = _mm(xq, kq.T, (1.0 / sx) * (1.0 / sk), x.dtype)
+    y = _mm(xq, kq.T, (1.0 / sx) * (1.0 / sk), x.dtype, _output_sharding(x, kernel))
     # A zero-size array carries the kernel's dtype (dw is returned in it).
     return y, (xq.T, kq, sx, sk, ax, ak, state, jnp.zeros((0,), kernel.dtype))
 
@@ -112,8 +148,9 @@ def _backward(recipe, residuals, g):
     ag = scaling.amax(g)
     sg = _scales(state, "grad", ag, fmt.max_bwd, recipe)
     gq = scaling.quantize(g, sg, fmt.backward_dtype)
-    dx = _mm(gq, kq, (1.0 / sg) * (1.0 / sk), g.dtype)  # g has y's dtype, which is x's
+    dx = _mm(gq, kq, (1.0 / sg) * (1.0 / sk), g.dtype, _dgrad_sharding(xqT))  # g has y's dtype, which is x's
     dw = _mm(xqT, gq.T, (1.0 / sx) * (1.0 / sg), g.dtype, _wgrad_sharding(kq, xqT)).astype(k_like.dtype)
+    dx, dw = _summed_like(dx, xqT), _summed_like(dw, kq)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
     new = _new_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)
     return dx, dw, new
