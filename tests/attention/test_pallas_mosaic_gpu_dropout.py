@@ -123,13 +123,13 @@ class Case:
     blocks: tuple = (ONE_WG, ONE_WG_BWD)
 
 
-CASES = [
+# In the interpreter, dropout runs in the fused-backward segments case (test_pallas_mosaic_gpu_
+# segments_bias) and the bit-for-bit keep test; these passed on the H200 (2026-12-01, -02).
+GPU_CASES = [
     # the forward in 2 KV splits (each drops its own keys' elements; merged by lse)
     Case("gqa_bottom_right_cap_kv_splits", T=128, S=256, N=2, K=1, rate=0.5,
          options=(("mask", "causal_bottom_right"), ("logits_soft_cap", 2.0)),
          blocks=(dataclasses.replace(ONE_WG, num_splits=2), ONE_WG_BWD)),
-]
-GPU_CASES = [
     Case("window_tails_learnable", T=136, S=136, N=2, K=1, rate=0.3,
          options=(("mask", "none"), ("window", (30, 10)), ("softmax", "learnable"))),
     Case("causal_two_wgs", T=128, S=128, N=2, K=2, options=(("mask", "causal"),),
@@ -200,13 +200,8 @@ def check_case(case: Case, *, interpret: bool, implementation: str | None = None
     return errors
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_forward_and_gradients_match_reference(case, interpreter):
-    check_case(case, interpret=True)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_forward_and_gradients_match_reference_gpu(case):
     check_case(case, interpret=False, implementation=None if case.blocks else "pallas_mosaic_gpu")
 
