@@ -70,7 +70,7 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     # one fused kernel (dQ += dS K inside the dK/dV kernel, five GEMMs): 4 x 4 causal tiles,
     # G = 2 heads per CTA; then 2 warpgroups, tails, a cap and a learnable sink
     Case("fused_dq_causal_gqa", T=256, S=256, N=2, K=1, window=(-1, 0),
-         blocks=dataclasses.replace(ONE_WG, fused_dq=True)),
+         blocks=dataclasses.replace(ONE_WG, fused_dq=True), races=True),
     Case("fused_dq_two_wgs_tails_cap_learnable", T=200, S=136, N=2, K=2, cap=1.5,
          softmax="learnable", blocks=BBS(num_stages=2, fused_dq=True)),
 ]
@@ -109,6 +109,10 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          bottom_right=True, blocks=BBS(num_stages=2, fused_dq=True)),
     Case("gpu_fused_dq_d128_full_tails", T=700, S=900, N=4, K=4, Dqk=128, Dv=128,
          blocks=BBS(num_stages=2, fused_dq=True)),
+    Case("gpu_fused_dq_mla_128_64_f16", T=512, S=512, N=4, K=1, Dqk=128, Dv=64, window=(-1, 0),
+         dtype="float16", blocks=BBS(num_stages=2, fused_dq=True)),
+    Case("gpu_fused_dq_off_by_one_empty_rows", T=128, S=64, N=1, K=1, window=(-1, 0),
+         bottom_right=True, softmax="off_by_one", blocks=dataclasses.replace(ONE_WG, fused_dq=True)),
 ]
 
 
