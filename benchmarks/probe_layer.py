@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import flashmesh.te as te
 import flashmesh.te.flax as te_flax
-from flashmesh.quantization import update_fp8_metas
+from flashmesh.quantization import written_state
 from flashmesh.te.recipe import DelayedScaling, Format
 
 B, T, H, F, N = 4, 2048, 4096, 16384, 32
@@ -92,8 +92,7 @@ def run(fp8, hand_written=False):
             def loss(v, x):
                 return jnp.vdot(apply(v, x, key), dy).astype(jnp.float32)
             _, (gv, gx) = jax.value_and_grad(loss, argnums=(0, 1))(v, x)
-            new = update_fp8_metas(v, gv)  # the changed collections only: no copy of params
-            return {k: c for k, c in new.items() if k != "params"}, gv["params"], gx
+            return written_state(v, gv), gv["params"], gx
 
         f = jax.jit(step)
         text = f.lower(variables, x, dy, jax.random.key(3)).compile().as_text()

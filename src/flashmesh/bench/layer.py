@@ -143,19 +143,15 @@ def training_step(model: layer_models.Model) -> Callable:
         y = model.apply(variables, x, deterministic=False, rngs={"dropout": key})
         return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
 
+    from flashmesh.quantization import written_state
+
     value_and_grad = jax.value_and_grad(loss, argnums=(0, 1))
-    update = None
-    if model.variant.fp8:
-        from flashmesh.quantization import update_fp8_metas as update
 
     def step(variables, x, dy, key):
         key, sub = jax.random.split(key)
         with model.autocast():
             value, (dvars, dx) = value_and_grad(variables, x, dy, sub)
-        state = {}
-        if update is not None and "fp8_metas" in variables:
-            state = {"fp8_metas": update(variables, dvars)["fp8_metas"]}
-        return state, key, value, dvars, dx
+        return written_state(variables, dvars), key, value, dvars, dx
 
     return jax.jit(step)
 

@@ -58,17 +58,15 @@ def create_fp8_train_step_fn(model_apply_fn: Callable, forward_kwargs: dict | No
     output_grad, rngs) -> (new_variables, loss, (variable_grads, input_grads)), where new_variables has the
     `fp8_metas` gradients written over the FP8 state (TransformerEngine's convention: the
     state's new value comes back as its cotangent; `flashmesh.quantization.update_fp8_metas`)."""
-    from flashmesh.quantization import update_fp8_metas
+    from flashmesh.quantization import written_state
 
     value_and_grad = _value_and_grad(model_apply_fn, forward_kwargs, autocast_kwargs)
 
     def state_step(variables, inp, grad_target, rngs):
         loss, grads = value_and_grad(variables, inp, grad_target, rngs)
-        new = update_fp8_metas(variables, grads[0])
-        return {k: v for k, v in new.items() if k != "params"}, loss, grads
+        return written_state(variables, grads[0]), loss, grads
 
-    # The parameters come back outside the jitted step: returned from inside it without
-    # donation, XLA would copy them every step.
+    # The parameters come back outside the jitted step (written_state says why).
     jitted = jax.jit(state_step)
 
     def step(variables, inp, grad_target, rngs):

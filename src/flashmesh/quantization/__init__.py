@@ -14,8 +14,8 @@ from flashmesh.quantization.dense import dense
 from flashmesh.quantization.recipe import (DelayedScaling, Float8CurrentScaling, Format, MMParams,
                                            MXFP8BlockScaling, NVFP4BlockScaling)
 from flashmesh.quantization.state import (COLLECTION, accumulate_gradients, combine_by_max,
-                                          update_fp8_metas)
+                                          update_fp8_metas, written_state)
 
 __all__ = ["autocast", "active_recipe", "dense", "DelayedScaling", "Float8CurrentScaling",
            "Format", "MMParams", "MXFP8BlockScaling", "NVFP4BlockScaling", "COLLECTION",
-           "accumulate_gradients", "combine_by_max", "update_fp8_metas"]
+           "accumulate_gradients", "combine_by_max", "update_fp8_metas", "written_state"]

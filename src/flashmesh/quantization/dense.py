@@ -54,17 +54,6 @@ def _explicit(x) -> bool:
     return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
-def _wgrad_sharding(kernel_like, x_like):
-    """The weight gradient's sharding where the mesh shards in types (Explicit axes): it
-    contracts the (data-parallel) token axis, and JAX does not guess the result's sharding.
-    The kernel's own sharding, or replicated over the activations' mesh; None otherwise."""
-    if _explicit(kernel_like):
-        return jax.typeof(kernel_like).sharding
-    if _explicit(x_like):
-        return jax.sharding.NamedSharding(jax.typeof(x_like).sharding.mesh, jax.P())
-    return None
-
-
 def _summed_like(grad, primal_like):
     """Inside `shard_map`: the cotangent summed over the manual axes it varies along but its
     primal does not (a kernel replicated over the data axis gets the sum of every shard's
@@ -73,29 +62,27 @@ def _summed_like(grad, primal_like):
     return lax.psum(grad, extra) if extra else grad
 
 
-def _output_sharding(x, kernel):
-    """y's sharding where the mesh shards in types (Explicit axes): x's rows, the kernel's
-    columns. The forward contracts the kernel's input axis, which a row-parallel kernel (and
-    its input) shard, and JAX does not guess where the sum goes. None otherwise."""
-    if not (_explicit(x) or _explicit(kernel)):
-        return None
-    def spec(a):
-        return tuple(jax.typeof(a).sharding.spec) + (None, None)
-    mesh = jax.typeof(x if _explicit(x) else kernel).sharding.mesh
-    rows = spec(x)[0] if _explicit(x) else None
-    cols = spec(kernel)[1] if _explicit(kernel) else None
-    return jax.sharding.NamedSharding(mesh, jax.P(rows, cols))
+def _shardings(x_like, kernel_like, x_transposed: bool = False) -> dict:
+    """The three GEMMs' output shardings {"y", "dx", "dw"} where the mesh shards in types
+    (Explicit axes), else None each. Each GEMM contracts an axis that may be sharded (a
+    row-parallel kernel's K, a column-parallel one's N, the data axis M of the wgrad), and JAX
+    does not guess where the sum goes: y takes x's rows and the kernel's columns, dx x's
+    sharding, dw the kernel's (replicated over the activations' mesh if only they are typed).
+    x_like may be x or x saved transposed (x_transposed); kernel_like the kernel or kq."""
+    def spec(a, transposed=False):
+        if not _explicit(a):
+            return (None, None)
+        pair = (tuple(jax.typeof(a).sharding.spec) + (None, None))[:2]
+        return pair[::-1] if transposed else pair
 
-
-def _dgrad_sharding(xqT):
-    """The input gradient's sharding where the mesh shards in types (Explicit axes): x's own
-    (the transpose of the saved xqT's). The dgrad contracts the kernel's output axis, which a
-    column-parallel kernel shards, and JAX does not guess where the sum goes. None otherwise."""
-    if not _explicit(xqT):
-        return None
-    sharding = jax.typeof(xqT).sharding
-    spec = tuple(sharding.spec) + (None,) * (2 - len(tuple(sharding.spec)))
-    return jax.sharding.NamedSharding(sharding.mesh, jax.P(spec[1], spec[0]))
+    typed_x, typed_k = _explicit(x_like), _explicit(kernel_like)
+    if not (typed_x or typed_k):
+        return dict(y=None, dx=None, dw=None)
+    mesh = jax.typeof(x_like if typed_x else kernel_like).sharding.mesh
+    xs, ks = spec(x_like, x_transposed), spec(kernel_like)
+    return dict(y=jax.sharding.NamedSharding(mesh, jax.P(xs[0], ks[1])),
+                dx=jax.sharding.NamedSharding(mesh, jax.P(*xs)) if typed_x else None,
+                dw=jax.typeof(kernel_like).sharding if typed_k else jax.sharding.NamedSharding(mesh, jax.P()))
 
 
 def _scales(state, name, amax_now, fp8_max, recipe):
@@ -137,7 +124,7 @@ def _forward(x, kernel, state, recipe):
     # profile/ba2dd47-transformer_layer_fp8.hlo.txt.gz; the effect of the barrier there is not
     # yet profiled).
     kq = lax.optimization_barrier(scaling.quantize(kernel, sk, fmt.forward_dtype))
-    y = _mm(xq, kq.T, (1.0 / sx) * (1.0 / sk), x.dtype, _output_sharding(x, kernel))
+    y = _mm(xq, kq.T, (1.0 / sx) * (1.0 / sk), x.dtype, _shardings(x, kernel)["y"])
     # A zero-size array carries the kernel's dtype (dw is returned in it).
     return y, (xq.T, kq, sx, sk, ax, ak, state, jnp.zeros((0,), kernel.dtype))
 
@@ -148,8 +135,9 @@ def _backward(recipe, residuals, g):
     ag = scaling.amax(g)
     sg = _scales(state, "grad", ag, fmt.max_bwd, recipe)
     gq = scaling.quantize(g, sg, fmt.backward_dtype)
-    dx = _mm(gq, kq, (1.0 / sg) * (1.0 / sk), g.dtype, _dgrad_sharding(xqT))  # g has y's dtype, which is x's
-    dw = _mm(xqT, gq.T, (1.0 / sx) * (1.0 / sg), g.dtype, _wgrad_sharding(kq, xqT)).astype(k_like.dtype)
+    shardings = _shardings(xqT, kq, x_transposed=True)
+    dx = _mm(gq, kq, (1.0 / sg) * (1.0 / sk), g.dtype, shardings["dx"])  # g has y's dtype, which is x's
+    dw = _mm(xqT, gq.T, (1.0 / sx) * (1.0 / sg), g.dtype, shardings["dw"]).astype(k_like.dtype)
     dx, dw = _summed_like(dx, xqT), _summed_like(dw, kq)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
     new = _new_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)

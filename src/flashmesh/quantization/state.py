@@ -29,8 +29,8 @@ from flashmesh.quantization import combine
 from flashmesh.quantization.autocast import active_recipe
 from flashmesh.quantization.recipe import DelayedScaling
 
-__all__ = ["COLLECTION", "QUANTIZERS", "gemm_state", "declare", "update_fp8_metas", "combine_by_max",
-           "accumulate_gradients"]
+__all__ = ["COLLECTION", "QUANTIZERS", "gemm_state", "declare", "update_fp8_metas", "written_state",
+           "combine_by_max", "accumulate_gradients"]
 
 COLLECTION = "fp8_metas"
 QUANTIZERS = ("x", "kernel", "grad")
@@ -119,6 +119,16 @@ def update_fp8_metas(variables: dict, grads: dict) -> dict:
     result = dict(variables)
     result[COLLECTION] = traverse_util.unflatten_dict(out)
     return result
+
+
+def written_state(variables: dict, grads: dict) -> dict:
+    """What a training step writes besides the parameters: {"fp8_metas": the new state}
+    (`update_fp8_metas`'s), or {} without FP8 state. A jitted step that returns this, and not
+    all the variables, spares XLA a copy of the unchanged parameters (an output that is an
+    undonated input is copied every step); merge it back with {**variables, **written}."""
+    if COLLECTION not in variables:
+        return {}
+    return {COLLECTION: update_fp8_metas(variables, grads)[COLLECTION]}
 
 
 def combine_by_max(variables: dict) -> dict:
