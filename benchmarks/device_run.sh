@@ -5,7 +5,8 @@
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
 #   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune | profile | probe_mosaic[:<args, comma-separated>]
 #   profile: benchmarks/probe_layer.py --profile (the guide's TransformerLayer step, bf16 and FP8,
-#   traced; where its GPU time goes, by category, XLA op and kernel) into $OUT/profile.log.
+#   traced; where its GPU time goes, by category, XLA op and kernel) into $OUT/profile.log;
+#   PROFILE_ARGS for options, e.g. PROFILE_ARGS="--only transformer_layer_fp8".
 #   The device's copy of .git may be older than the tree sent: pass the commit as
 #   FLASHMESH_COMMIT=<hash> so the reports name the right one, the hash written out in the
 #   command: the command runs on the device, where $(git rev-parse HEAD) gives the stale HEAD
@@ -64,7 +65,7 @@ for step in "$@"; do
       cp src/flashmesh/attention/pallas_mosaic_gpu_configs.json "$OUT/" ;;
     profile)
       mkdir -p /tmp/flashmesh-trace
-      timeout "$limit" python3 benchmarks/probe_layer.py --profile /tmp/flashmesh-trace --hlo "$OUT" 2>&1 | tee -a "$OUT/profile.log" ;;
+      timeout "$limit" python3 benchmarks/probe_layer.py --profile /tmp/flashmesh-trace --hlo "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/profile.log" ;;
     probe_mosaic|probe_mosaic:*)  # e.g. probe_mosaic:--bwd,causal_8k_h32_d128 (commas: spaces)
       args="${step#probe_mosaic}"; args="${args#:}"
       timeout "$limit" python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_mosaic.log" ;;

@@ -4,7 +4,8 @@ TransformerLayer fwd+bwd in bf16 and FP8 at the guide's size and count the FP8 G
 `--profile DIR` also traces 5 steps with jax.profiler into DIR and prints where a step's GPU
 time goes: per category (GEMM, attention, other kernels), then the longest XLA ops and kernels.
 The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` row) is traced the
-same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR.
+same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
+NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8).
 """
 import collections
 import glob
@@ -71,7 +72,7 @@ def _option(name):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
-def run(fp8, hand_written=False):
+def run(fp8, hand_written):
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
     label = "jax_cudnn" if hand_written else ("transformer_layer_fp8" if fp8 else "transformer_layer_bf16")
     with te.autocast(enabled=fp8, recipe=recipe):
@@ -95,7 +96,9 @@ def run(fp8, hand_written=False):
             return written_state(v, gv), gv["params"], gx
 
         f = jax.jit(step)
+        t0 = time.perf_counter()
         text = f.lower(variables, x, dy, jax.random.key(3)).compile().as_text()
+        print(f"{label}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
     if _option("--hlo"):
         with open(f"{_option('--hlo')}/{label}.hlo.txt", "w") as out:
             out.write(text)
@@ -133,6 +136,10 @@ def run(fp8, hand_written=False):
         print(profile_table(trace_dir, 5), flush=True)
 
 
-run(False, hand_written=True)
-run(False)
-run(True)
+RUNS = {"jax_cudnn": (False, True), "transformer_layer_bf16": (False, False),
+        "transformer_layer_fp8": (True, False)}
+for label in (_option("--only") or ",".join(RUNS)).split(","):
+    if label not in RUNS:
+        raise ValueError(f"--only: expected names from {sorted(RUNS)}, got {label!r}")
+    print(f"--- {label} {time.strftime('%H:%M:%S')}", flush=True)
+    run(*RUNS[label])

@@ -5,7 +5,9 @@ error against cuDNN and the time per call of 20 calls back to back, each block s
 `--fwdbwd`: also fwd+bwd of the registered implementation against cuDNN's. `--bwd`: the
 backward kernels alone (`pallas_mosaic_gpu_sm90_bwd.backward_spec`) per BackwardBlockSizes in
 BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each checked against
-the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale."""
+the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
+over a small grid of valid configs (`bwd_grid`)."""
+import itertools
 import sys
 import time
 import traceback
@@ -53,6 +55,28 @@ EXTRA = {  # shape-specific tiles
 BWD_CONFIGS = [dict(), dict(num_stages=2, fused_dq=True), dict(num_stages=1, fused_dq=True)]
 
 
+def bwd_grid(spec):
+    """`--bwd-grid`: default_for's config, then every valid one of a small grid (the fused
+    kernel has no dQ kernel, so its block_q_dq / block_kv_dq are not varied)."""
+    found, seen = [dict()], set()
+    for fused, bq, bqdq, bkvdq, st in itertools.product((False, True), (64, 128), (128, 256),
+                                                         (64, 128), (3, 2)):
+        cfg = dict(block_q=bq, num_stages=st, fused_dq=fused)
+        if not fused:
+            cfg.update(block_q_dq=bqdq, block_kv_dq=bkvdq)
+        key = tuple(sorted(cfg.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            bs = bwd.BackwardBlockSizes(**cfg).validate_for(spec)
+        except ValueError:
+            continue
+        if bs != bwd.default_for(spec):
+            found.append(cfg)
+    return found
+
+
 def backward_alone(name, q, k, v, window, t_cudnn_fwd):
     """The backward kernels per config at the forward's out and lse, back to back."""
     D = q.shape[-1]
@@ -65,7 +89,7 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
         implementation="cudnn").astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
     print(f"  bwd cudnn (fwd+bwd - fwd): {back_to_back(cudnn, q, k, v) - t_cudnn_fwd:.3f} ms", flush=True)
     first = None
-    for cfg in BWD_CONFIGS:
+    for cfg in bwd_grid(spec) if "--bwd-grid" in sys.argv else BWD_CONFIGS:
         try:
             bs = bwd.default_for(spec) if not cfg else bwd.BackwardBlockSizes(**cfg)
             f = jax.jit(lambda q, k, v, out, lse, do: bwd.backward_spec(q, k, v, out, lse, do, spec,
@@ -106,7 +130,7 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
-        if "--bwd" in sys.argv:
+        if "--bwd" in sys.argv or "--bwd-grid" in sys.argv:
             backward_alone(name, q, k, v, window, t_ref)
             continue
         if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's
