@@ -278,7 +278,14 @@ def test_block_sizes_and_refusals():
                                                   "dq": 128 * 520 + 4 * 64 * 512 + 2048}
     with pytest.raises(ValueError, match=r"num_stages=5.*dkv kernel needs 233984 bytes"):
         BBS(num_stages=5).validate_for(spec)
-    assert bwd.default_for(spec).num_stages == 3
+    # the measured table (MEASURED) where its config fits, else the untuned rule (3 stages)
+    assert bwd.default_for(spec) == BBS(block_kv_dq=128, num_stages=2)
+    window = dataclasses.replace(spec, window=(64, 0))
+    assert bwd.default_for(window) == BBS(num_stages=3)
+    d64 = sm90.spec_for(*(jnp.zeros((1, 128, 2, 64), jnp.bfloat16),) * 3, scale=0.1, window=(-1, 0))
+    assert bwd.default_for(d64) == BBS(block_q=128, num_stages=2, fused_dq=True)
+    assert not bwd.default_for(d64, deterministic=True).fused_dq  # reductions in a fixed order
+    assert not bwd.default_for(dataclasses.replace(d64, bias_shape=(1, 1, 128, 128))).fused_dq
     # d256 and MLA 192/128: dK, dV, Sᵀ, dPᵀ in f32 and Pᵀ, dSᵀ in 16 bits need more than 240
     # registers at once (256 for 192/128), so they take the split dK/dV passes (d256 with one
     # stage: K, V of 128 keys and one ring slot of Q, dO fill 192 KiB)
