@@ -54,6 +54,16 @@ def test_automatic_choice_keeps_dropout_and_narrow_windows(kw):
     assert pallas_mosaic_gpu.automatic_reason(_spec(**kw), "gpu", "NVIDIA H200") is None
 
 
+def test_automatic_choice_takes_head_dim_64_with_the_fused_backward():
+    # causal_8k_h32_d64, codelab_small, codelab_te_2048: faster than cuDNN fwd and fwd+bwd on
+    # the H200 (benchmarks/results/2026-12-02-nvidia-h200-anchors-2); d128 stays with cuDNN
+    (test_gpu_automatic_choice).
+    for mask in ("causal", "none"):
+        assert pallas_mosaic_gpu.config(_spec(mask=mask), "NVIDIA H200")[1].fused_dq
+        assert pallas_mosaic_gpu.automatic_reason(_spec(mask=mask), "gpu", "NVIDIA H200") is None
+        assert not pallas_mosaic_gpu.config(_spec(mask=mask, D=128), "NVIDIA H200")[1].fused_dq
+
+
 def test_automatic_choice_takes_the_measured_window_shape():
     # seed000_gqa_swa (B2 T4096 128:8 d128, window (128, 0)): measured 1.43x cuDNN fwd+bwd on the
     # H200 (benchmarks/results/2026-12-01-nvidia-h200-anchors) with the window kernel.
@@ -89,12 +99,15 @@ def test_context_parallel_dropout_steps_are_refused_statically():
 
 @pytest.mark.gpu
 def test_gpu_automatic_choice():
-    """cuDNN keeps causal attention, wide windows and MLA dims (which it runs on a Hopper GPU);
-    the kernels take dropout and narrow windows, and the automatic call equals the named one."""
-    q = jax.random.normal(jax.random.key(1), (2, 256, 4, 64), jnp.bfloat16)
+    """cuDNN keeps d128 causal attention, wide windows and MLA dims (which it runs on a Hopper
+    GPU); the kernels take d64, dropout and narrow windows, and the automatic call equals the
+    named one."""
+    q = jax.random.normal(jax.random.key(1), (2, 256, 4, 128), jnp.bfloat16)
     assert flashmesh.explain(q, q, q, mask="causal").chosen == "cudnn"
     rows = {row.name: row for row in flashmesh.explain(q, q, q, mask="causal").rows}
     assert "measured faster" in rows["pallas_mosaic_gpu"].declines
+    d64 = q[..., :64]
+    assert flashmesh.explain(d64, d64, d64, mask="causal").chosen == "pallas_mosaic_gpu"
     key = jax.random.key(2)
     for kw in (dict(mask="causal", dropout_rate=0.1, dropout_rng=key), dict(mask="causal", window=(64, 0)),
                dict(mask="none", window=(32, 32))):

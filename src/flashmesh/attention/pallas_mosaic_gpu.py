@@ -88,9 +88,11 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     """Why the automatic choice passes over this call (to cuDNN where it runs it), or None.
 
     Taken: dropout (cuDNN cannot draw flashmesh's mask), windows narrow enough for the window
-    kernel (measured faster than cuDNN), and whatever cuDNN refuses. Passed over: calls of the
-    kinds cuDNN measured faster or about as fast on (full, causal, wider windows, MLA where its
-    version runs it), and what has not been checked on a GPU yet: context-parallel steps, and
+    kernel (measured faster than cuDNN), head dim 64 full or causal where the backward is the
+    fused kernel (measured faster than cuDNN on the three d64 anchors, fwd and fwd+bwd,
+    benchmarks/results/2026-12-02-nvidia-h200-anchors-2), and whatever cuDNN refuses. Passed
+    over: calls of the kinds cuDNN measured faster or about as fast on (d128 full, causal,
+    wider windows, MLA where its version runs it), and what has not been checked on a GPU yet: context-parallel steps, and
     q of 2^30 elements or more (only the forward was checked there). device_kind: jax's, for
     the tiles (default: this machine's)."""
     from flashmesh.attention import cudnn
@@ -102,13 +104,16 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     if spec.q_elements >= cudnn.MAX_Q_ELEMENTS:
         return ("q of 2^30 elements or more: only the forward has been checked on the H200 at "
                 "this size, not yet the backward (cuDNN's dq was wrong there)")
-    if spec.has_dropout or isinstance(config(spec, device_kind)[0], common.WindowBlockSizes):
+    fwd, bwd = config(spec, device_kind)
+    if spec.has_dropout or isinstance(fwd, common.WindowBlockSizes):
         return None
+    if bwd.fused_dq and spec.qk_dim == spec.v_dim == 64:
+        return None  # d64 with the fused backward: faster than cuDNN on every d64 anchor
     if cudnn.unsupported_reason(spec, platform, automatic=True) is not None:
         return None
     return ("cuDNN runs this call and measured faster or about as fast on calls of its kind "
-            "(these kernels' fwd+bwd: 0.90-0.95x of cuDNN's speed on full and causal attention, "
-            "benchmarks/results/2026-12-01-nvidia-h200-anchors)")
+            "(these kernels' fwd+bwd back to back: 1.18x cuDNN's time on full_4k_h16_d128, 1.09x "
+            "on causal_8k_h32_d128, benchmarks/results/2026-12-02-nvidia-h200-anchors-2)")
 
 
 def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = False) -> str | None:
