@@ -165,6 +165,7 @@ BAD = [
      r"deterministic must be a bool, got 'False'"),
     ("deterministic_none", lambda: call(deterministic=None), r"deterministic must be a bool, got None"),
     ("return_lse_string", lambda: call(return_lse="yes"), r"return_lse must be a bool, got 'yes'"),
+    ("reproducible_int", lambda: call(reproducible=1), r"reproducible must be a bool, got 1"),
     ("dropout_rng_floats", lambda: call(dropout_rate=0.1, dropout_rng=np.zeros(2, np.float32)),
      r"dropout_rng must be a PRNG key"),
     # layouts and implementations

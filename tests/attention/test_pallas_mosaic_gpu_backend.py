@@ -226,3 +226,40 @@ def test_grad_of_grad_says_first_order_only():
     jax.eval_shape(jax.grad(loss), q)  # first order traces
     with pytest.raises(NotImplementedError, match="first derivatives only"):
         jax.eval_shape(jax.grad(lambda q: jnp.sum(jax.grad(loss)(q).astype(jnp.float32))), q)
+
+
+def test_reproducible_takes_fixed_order_reductions_only():
+    # reproducible=True: the two-kernel backward (not the fused one's TMA reduce-adds), and on
+    # a GPU neither cuDNN nor chunked (XLA's attention kernels and scatters); off a GPU chunked.
+    spec = _spec(mask="causal", reproducible=True)
+    assert spec.reproducible and not _spec(mask="causal").reproducible
+    assert not pallas_mosaic_gpu.config(spec, "NVIDIA H200")[1].fused_dq
+    assert pallas_mosaic_gpu.config(_spec(mask="causal"), "NVIDIA H200")[1].fused_dq
+    rows = registry.explain_spec(spec, "gpu")
+    for name in ("cudnn", "chunked"):
+        assert "reproducible=True" in rows.reason(name), name
+    assert registry.explain_spec(spec, "cpu").reason("chunked") is None
+    assert registry.explain_spec(_spec(mask="causal"), "gpu").reason("chunked") is None
+
+
+@pytest.mark.gpu
+def test_gpu_reproducible_gradients_are_bit_identical():
+    """Head dim 64 (the fused backward by default): reproducible=True runs the two-kernel
+    backward, whose gradients are bit-identical run to run and equal the fused ones closely."""
+    B, T, N, K, D = 2, 1000, 8, 2, 64
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (B, T, N, D), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (B, T, K, D), jnp.bfloat16) for key in keys[1:3])
+    g = jax.random.normal(keys[3], (B, T, N, D), jnp.float32)
+
+    def grads(reproducible):
+        def loss(q, k, v):
+            out = flashmesh.attention(q, k, v, mask="causal", reproducible=reproducible)
+            return jnp.vdot(out.astype(jnp.float32), g)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    assert flashmesh.explain(q, k, v, mask="causal", reproducible=True).chosen == "pallas_mosaic_gpu"
+    first, second, fused = grads(True), grads(True), grads(False)
+    for a, b, c in zip(first, second, fused):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        assert _rel(c, a) < 1e-2

@@ -284,7 +284,10 @@ def test_block_sizes_and_refusals():
     assert bwd.default_for(window) == BBS(num_stages=3)
     d64 = sm90.spec_for(*(jnp.zeros((1, 128, 2, 64), jnp.bfloat16),) * 3, scale=0.1, window=(-1, 0))
     assert bwd.default_for(d64) == BBS(block_q=128, num_stages=2, fused_dq=True)
-    assert not bwd.default_for(d64, deterministic=True).fused_dq  # reductions in a fixed order
+    reproducible = dataclasses.replace(d64, reproducible=True)
+    assert not bwd.default_for(reproducible).fused_dq  # reductions in a fixed order
+    with pytest.raises(ValueError, match="fused_dq=True cannot give reproducible=True"):
+        BBS(fused_dq=True).validate_for(reproducible)
     assert not bwd.default_for(dataclasses.replace(d64, bias_shape=(1, 1, 128, 128))).fused_dq
     # d256 and MLA 192/128: dK, dV, Sᵀ, dPᵀ in f32 and Pᵀ, dSᵀ in 16 bits need more than 240
     # registers at once (256 for 192/128), so they take the split dK/dV passes (d256 with one

@@ -66,7 +66,7 @@ def _check_float(name: str, x) -> None:
 def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, bias=None,
               scale=None, softmax="vanilla", sink=None, logits_soft_cap=None, dropout_rate=0.0,
               dropout_rng=None, deterministic=False, layout="bshd",
-              return_lse=True) -> tuple[AttentionInputs, AttentionSpec]:
+              return_lse=True, reproducible=False) -> tuple[AttentionInputs, AttentionSpec]:
     """User options -> (AttentionInputs, AttentionSpec), raising ValueError on bad input."""
     if layout not in layouts.LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {sorted(layouts.LAYOUTS)}")
@@ -145,6 +145,7 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
         raise ValueError(f"dropout_rate must be a real number in [0, 1), got {dropout_rate!r}")
     _check_bool("deterministic", deterministic)
     _check_bool("return_lse", return_lse)
+    _check_bool("reproducible", reproducible)
     seed = None
     if deterministic:
         dropout_rate = 0.0
@@ -159,7 +160,8 @@ def normalize(q, k=None, v=None, *, mask="causal", window=None, segments=None, b
         dtype=jnp.dtype(q.dtype).name, scale=float(scale), window=win, bottom_right=bottom_right,
         softmax=softmax, logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         dropout_rate=float(dropout_rate), bias_shape=bias_shape, segments=seg_kind,
-        max_segments=max_segments, positions_canonical=canonical, return_lse=bool(return_lse))
+        max_segments=max_segments, positions_canonical=canonical, return_lse=bool(return_lse),
+        reproducible=reproducible)
     inputs = AttentionInputs(q=q, k=k, v=v, bias=bias, sink=sink, q_segment_ids=q_ids,
                              kv_segment_ids=kv_ids, q_positions=q_pos, kv_positions=kv_pos,
                              dropout_seed=seed)
@@ -198,6 +200,7 @@ def attention(
     layout: str = "bshd",
     implementation: str | None = None,
     return_lse: bool = False,
+    reproducible: bool = False,
 ):
     """Fused scaled dot-product attention.
 
@@ -237,6 +240,13 @@ def attention(
         `explain`); a name ("cudnn", "chunked", "reference") runs exactly that one.
       return_lse: a bool; also return the float32 log-sum-exp [B, N, T] of the softmax
         denominator.
+      reproducible: a bool; True asks for bit-identical outputs and gradients run to run (the
+        same inputs, device and compiled program). The automatic choice then takes only
+        implementations whose reductions run in a fixed order: `pallas_mosaic_gpu` with its
+        two-kernel backward (not the fused one, whose dQ is summed by TMA reduce-adds in a
+        varying order), `chunked` off a GPU (on one its backward's scatter-adds with repeated
+        indices are atomics), `reference`; cuDNN refuses. Not `deterministic`,
+        which is Flax's name for "no dropout".
 
     A query that sees no key returns exactly 0 with zero gradient.
 
@@ -250,7 +260,8 @@ def attention(
     inputs, spec = normalize(q, k, v, mask=mask, window=window, segments=segments, bias=bias,
                              scale=scale, softmax=softmax, sink=sink, logits_soft_cap=logits_soft_cap,
                              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                             deterministic=deterministic, layout=layout, return_lse=return_lse)
+                             deterministic=deterministic, layout=layout, return_lse=return_lse,
+                             reproducible=reproducible)
     impl = registry.select(spec, implementation)
     out, lse = impl.module.attention(inputs, spec)
     out = layouts.restore(layout, out)

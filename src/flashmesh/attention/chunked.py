@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flashmesh.attention import chunked_vjp, masks, varying
 from flashmesh.attention.chunked_tiles import Step, Tiles
 from flashmesh.attention.registry import current_platform
-from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
+from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec, reproducible_reason
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,9 +112,12 @@ class BlockSizes:
 
 
 def unsupported_reason(spec: AttentionSpec, platform: str, *, automatic: bool = False) -> str | None:
-    """None: the chunked backend runs every call the spec can describe, on every platform."""
-    del spec, platform, automatic
-    return None
+    """None: the chunked backend runs every call the spec can describe, on every platform,
+    except reproducible=True on a GPU: its backward adds the
+    lanes' key-tile (and bias) gradients by scatter-adds whose indices can repeat, which a GPU
+    sums by atomics in a varying order."""
+    del automatic
+    return reproducible_reason(spec, "chunked's backward (scatter-adds)") if platform == "gpu" else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from flashmesh.attention import masks
 from flashmesh.attention.cudnn_sequences import (Sequences, packed_sequences, padding_sequences,
                                                  trimmed_sequences)
-from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
+from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec, reproducible_reason
 
 # JAX minor versions whose internal cuDNN attention signature this module was written against.
 JAX_VERSIONS = ((0, 11),)
@@ -198,7 +198,7 @@ def unsupported_reason(spec: AttentionSpec, platform: str, *,
                        automatic: bool = False) -> str | None:
     """Why cuDNN cannot run this call here, in one line, or None. Static checks first (they
     need no GPU, so `explain` works at trace time); the GPU's own limits are asked once."""
-    reason = jax_reason() or static_reason(spec)
+    reason = jax_reason() or static_reason(spec) or reproducible_reason(spec, "cuDNN's attention")
     if platform != "gpu":  # say both, so `explain` on a laptop tells what a GPU would refuse
         here = f"needs an NVIDIA GPU with CUDA (platform is {platform!r})"
         return here if reason is None else f"{here}; and on one: {reason}"

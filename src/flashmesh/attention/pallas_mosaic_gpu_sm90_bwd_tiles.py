@@ -131,6 +131,9 @@ class BackwardBlockSizes:
 
     def validate_for(self, spec: AttentionSpec) -> "BackwardBlockSizes":
         """self, checked against a call (ValueError naming the field that does not fit)."""
+        if self.fused_dq and spec.reproducible:
+            raise ValueError("BackwardBlockSizes.fused_dq=True cannot give reproducible=True: its "
+                             "dQ is summed by TMA reduce-adds in a varying order; use fused_dq=False")
         if self.fused_dq and spec.has_bias:
             raise ValueError("BackwardBlockSizes.fused_dq=True cannot take a bias: its gradient "
                              "comes from the dQ kernel's dS; use fused_dq=False")
@@ -175,15 +178,15 @@ def _mask_kind(spec: AttentionSpec) -> str:
     return "causal" if left < 0 and right == 0 else "window"
 
 
-def default_for(spec: AttentionSpec, *, deterministic: bool = False) -> BackwardBlockSizes:
+def default_for(spec: AttentionSpec) -> BackwardBlockSizes:
     """The measured config of MEASURED where it fits the call (not the fused kernel when
-    `deterministic`: its dQ reductions run in a varying order), else the untuned default: 64 x
+    spec.reproducible: its dQ reductions run in a varying order), else the untuned default: 64 x
     128 dK/dV tiles and 128 x 64 dQ tiles with 2 warpgroups and 3 stages where they fit, else
     2, else 1; for head dims whose dK and dV accumulators do not fit the registers together
     (d256, MLA 192/128) the split dK/dV passes, then one warpgroup of 64 keys;
     NotImplementedError if nothing fits."""
     measured = MEASURED.get((spec.qk_dim, spec.v_dim, _mask_kind(spec)))
-    if measured is not None and not (deterministic and measured.get("fused_dq")):
+    if measured is not None and not (spec.reproducible and measured.get("fused_dq")):
         try:
             return BackwardBlockSizes(**measured).validate_for(spec)
         except ValueError:  # e.g. a bias (no fused kernel) or dropout's SMEM: the untuned rule

@@ -22,6 +22,14 @@ SOFTMAX_TYPES: tuple[str, ...] = ("vanilla", "off_by_one", "learnable")
 # merging two partial results with lse = logaddexp(a, b) stays NaN-free when both are empty.
 EMPTY_ROW_LSE = -1e30
 
+def reproducible_reason(spec: "AttentionSpec", what: str) -> str | None:
+    """Why `what` (GPU ops that XLA's determinism guide lists as run non-deterministically:
+    scatters, multi-head attention) cannot promise spec.reproducible, or None if not asked."""
+    if spec.reproducible:
+        return (f"reproducible=True: {what} may sum in a varying order on a GPU (XLA lists "
+                "them among its non-deterministic ops)")
+    return None
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
@@ -42,6 +50,8 @@ class AttentionSpec:
       shard_map: dropout numbers the keys by the inputs' kv_index (the step's global key
       numbers) instead of 0..S-1, so a backend that derives key numbers from its tile offsets
       cannot run its dropout.
+    reproducible: the caller asked for bit-identical results run to run (the same inputs,
+      device and compiled program): backends pick reductions in a fixed order or refuse.
     """
 
     batch: int
@@ -64,6 +74,7 @@ class AttentionSpec:
     positions_canonical: bool = True
     return_lse: bool = True
     context_step: bool = False
+    reproducible: bool = False
 
     @property
     def causal(self) -> bool:
