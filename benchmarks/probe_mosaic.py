@@ -57,7 +57,8 @@ BWD_CONFIGS = [dict(), dict(num_stages=2, fused_dq=True), dict(num_stages=1, fus
 
 def bwd_grid(spec):
     """`--bwd-grid`: default_for's config, then every valid one of a small grid (the fused
-    kernel has no dQ kernel, so its block_q_dq / block_kv_dq are not varied)."""
+    kernel has no dQ kernel, so its block_q_dq / block_kv_dq are not varied; each fused config
+    also with stagger_q)."""
     found, seen = [dict()], set()
     for fused, bq, bqdq, bkvdq, st in itertools.product((False, True), (64, 128), (128, 256),
                                                          (64, 128), (3, 2)):
@@ -74,6 +75,8 @@ def bwd_grid(spec):
             continue
         if bs != bwd.default_for(spec):
             found.append(cfg)
+        if fused:  # and the staggered order of the same tiles
+            found.append({**cfg, "stagger_q": True})
     return found
 
 

@@ -71,6 +71,8 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
          blocks=dataclasses.replace(ONE_WG, fused_dq=True), races=True),
     Case("fused_dq_two_wgs_tails_cap_learnable", T=200, S=136, N=2, K=2, cap=1.5,
          softmax="learnable", blocks=BBS(num_stages=2, fused_dq=True)),
+    Case("fused_dq_stagger_full", T=256, S=256, N=2, K=1, window=(-1, -1),
+         blocks=dataclasses.replace(ONE_WG, fused_dq=True, stagger_q=True)),
 ]
 GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 and MLA 192/128
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -111,6 +113,10 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          blocks=BBS(num_stages=2, fused_dq=True)),
     Case("gpu_fused_dq_mla_128_64_f16", T=512, S=512, N=4, K=1, Dqk=128, Dv=64, window=(-1, 0),
          dtype="float16", blocks=BBS(num_stages=2, fused_dq=True)),
+    Case("gpu_fused_dq_stagger_d128_full", T=1024, S=1024, N=4, K=4, Dqk=128, Dv=128,
+         window=(-1, -1), blocks=BBS(num_stages=2, fused_dq=True, stagger_q=True)),
+    Case("gpu_fused_dq_stagger_d64_causal_tails", T=1000, S=1000, N=4, K=2, window=(-1, 0),
+         blocks=BBS(block_q=128, num_stages=2, fused_dq=True, stagger_q=True)),
     Case("gpu_fused_dq_off_by_one_empty_rows", T=128, S=64, N=1, K=1, window=(-1, 0),
          bottom_right=True, softmax="off_by_one", blocks=dataclasses.replace(ONE_WG, fused_dq=True)),
 ]
@@ -206,6 +212,8 @@ def test_backward_gpu(case):
     # the fused kernel: TMA reduce-add into a jax.Ref, dSᵀ as WGMMA's transposed A; one launch
     Case("fused_dq_d128_causal_gqa", T=512, S=512, N=4, K=2, Dqk=128, Dv=128, window=(-1, 0),
          blocks=BBS(num_stages=2, fused_dq=True)),
+    Case("fused_dq_stagger_d128_full", T=512, S=512, N=4, K=4, Dqk=128, Dv=128,
+         blocks=BBS(num_stages=2, fused_dq=True, stagger_q=True)),
 ], ids=lambda c: c.name)
 def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU
@@ -301,6 +309,8 @@ def test_block_sizes_and_refusals():
     assert BBS(split_dkv=True).registers(mla)["dkv"] <= 240
     with pytest.raises(ValueError, match="split_dkv=1 must be a bool"):
         BBS(split_dkv=1)
+    with pytest.raises(ValueError, match="stagger_q=True needs fused_dq=True"):
+        BBS(stagger_q=True)
     with pytest.raises(ValueError, match="fused_dq=True needs split_dkv=False"):
         BBS(fused_dq=True, split_dkv=True)
     with pytest.raises(ValueError, match="fused_dq=True cannot take a bias"):

@@ -224,6 +224,19 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
     else:  # segments: the block map's ranges of this batch row
         r = tokens.load_ranges(tok_refs[0], batch, kv_tile)
     count = r.hi - r.lo  # query tiles per query head; G * count steps in all
+    # stagger_q: where every query tile of the range is full, each key tile starts at its own
+    # query tile (evenly spread over the range) and wraps around, so that the key tiles of a
+    # head do not add into the same dQ rows at the same time; elsewhere the order is unchanged.
+    def visit(q_tile):  # the query tile of loop index q_tile (in [lo, hi))
+        return q_tile
+
+    if bs.stagger_q and dq_ref is not None:
+        all_full = (r.full_lo == r.lo) & (r.full_hi == r.hi) & (count > 0)
+        n_kv = -(-spec.kv_len // bs.block_kv)
+        rot = jnp.where(all_full, lax.div(kv_tile * count, jnp.int32(n_kv)), 0)
+
+        def visit(q_tile):  # noqa: F811 (the staggered order)
+            return r.lo + lax.rem(q_tile - r.lo + rot, jnp.maximum(count, 1))
 
     def slot_of(step):
         return lax.rem(step, jnp.int32(stages))
@@ -252,6 +265,7 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
             # part "both": dK and dV; "dv": Sᵀ and dV only; "dk": Sᵀ, dPᵀ and dK only
             masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
             slot = slot_of(g * count + q_tile - r.lo)
+            q_tile = visit(q_tile)
             for barrier in stats_ready:
                 plgpu.barrier_wait(barrier.at[slot])
             q_tile_s, do_tile = q_smem.at[slot], do_smem.at[slot]
@@ -352,7 +366,7 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
 
         @pl.loop(0, G * count)
         def _(step):
-            g, q_tile = lax.div(step, per_head), r.lo + lax.rem(step, per_head)
+            g, q_tile = lax.div(step, per_head), visit(r.lo + lax.rem(step, per_head))
             head = kv_head * G + g
             slot = slot_of(step)
             q_rows = (batch, pl.ds(q_tile * bq, bq), head)

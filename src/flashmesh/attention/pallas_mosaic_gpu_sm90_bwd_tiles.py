@@ -45,6 +45,10 @@ class BackwardBlockSizes:
       no dQ kernel (whose S and dP are the two GEMMs saved). Not with split_dkv nor a bias (its
       gradient comes from the dQ kernel's dS). The reductions' order varies from run to run,
       so dQ is not bit-reproducible; the default (False) is deterministic.
+    stagger_q: with fused_dq, each key tile whose query tiles are all full (no mask) visits
+      them from its own starting tile onward and wraps around, so that the key tiles of one
+      head do not reduce-add into the same dQ rows at once (full attention: every key tile
+      visits every query tile). Opt-in until a GPU has timed it.
     """
 
     block_q: int = 64
@@ -57,6 +61,7 @@ class BackwardBlockSizes:
     memory_registers: int = 24
     split_dkv: bool = False
     fused_dq: bool = False
+    stagger_q: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -72,9 +77,12 @@ class BackwardBlockSizes:
         for name in ("block_q", "block_kv_dq"):
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
-        for name in ("split_dkv", "fused_dq"):
+        for name in ("split_dkv", "fused_dq", "stagger_q"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
+        if self.stagger_q and not self.fused_dq:
+            raise ValueError("BackwardBlockSizes.stagger_q=True needs fused_dq=True (it spreads the "
+                             "fused kernel's dQ reduce-adds)")
         if self.fused_dq and self.split_dkv:
             raise ValueError("BackwardBlockSizes.fused_dq=True needs split_dkv=False (the fused "
                              "step needs dSᵀ, which only the dK pass has)")
