@@ -3,6 +3,7 @@ loads, entries are matched by anchor, then key, else appended), and one tiny int
 end to end through the CLI."""
 
 import json
+import re
 
 import pytest
 
@@ -72,7 +73,7 @@ def test_refuses_without_a_hopper_gpu_and_bad_options(capsys):
         cli.main(["tune", "--tiny", "--interpret", "--max-candidates", "0"])
 
 
-def test_tiny_interpret_run_end_to_end(tmp_path):
+def test_tiny_interpret_run_end_to_end(tmp_path, capsys):
     table = tmp_path / "t.json"
     table.write_text(common.CONFIGS_PATH.read_text())
     assert cli.main(["tune", "--interpret", "--tiny", "--max-candidates", "1", "--warmup", "0",
@@ -85,3 +86,5 @@ def test_tiny_interpret_run_end_to_end(tmp_path):
     assert "tune_tiny" in (folder / "report.md").read_text()
     assert any(e.get("anchor") == "tune_tiny" and e["tuned"] for e in json.loads(table.read_text())["entries"])
     common.load_table.cache_clear()
+    # --no-progress: one log line per candidate, numbered against the total
+    assert re.search(r"^tune 1/1 \d\d:\d\d:\d\d: tune_tiny: ", capsys.readouterr().out, re.M)

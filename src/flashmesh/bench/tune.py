@@ -186,6 +186,11 @@ def run(shapes: list[Shape], config: runner.RunConfig, *, interpret: bool = Fals
     total = sum(len(candidates(spec_of(s), limit)) for s in shapes)
     results = []
     with runner._progress(config.progress, total) as advance:
+        if not config.progress:  # a log's reader (a GPU run's output) sees where the run is
+            numbers = itertools.count(1)
+
+            def advance(text: str):
+                print(f"tune {next(numbers)}/{total} {time.strftime('%H:%M:%S')}: {text}", flush=True)
         for shape in shapes:
             results.append(tune_shape(shape, config, interpret=interpret, limit=limit, advance=advance))
     if table is None and not interpret:
