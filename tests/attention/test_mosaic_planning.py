@@ -372,6 +372,32 @@ def test_table_entries_all_validate_and_are_reachable():
             assert mg.default_for(spec, H100) == mg.forward_config(entry["config"]).validate_for(spec)
 
 
+def test_backward_entries_validate_and_are_reachable(tmp_path):
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_tiles as bwd_tiles
+
+    entries = mg.load_table()["backward_entries"]
+    assert len(entries) >= 4 and all(e["tuned"] for e in entries)
+    for entry in entries:
+        key = entry["key"]
+        window = {"none": (-1, -1), "causal": (-1, 0)}[key["mask"]]
+        L = key.get("max_len", 4096)
+        spec = make_spec(L, L, window, N=8, K=8, Dqk=key["qk_dim"], Dv=key["v_dim"])
+        assert bwd_tiles.measured_entry(spec) is entry
+        assert bwd_tiles.default_for(spec) == bwd_tiles.BackwardBlockSizes(**entry["config"])
+    assert bwd_tiles.measured_entry(make_spec(4096, 4096, (128, 0), Dqk=64)) is None  # windows
+    assert bwd_tiles.measured_entry(make_spec(4096, 4096, Dqk=64)) is None  # full d64: only 128 timed
+    raw = json.loads(mg.CONFIGS_PATH.read_text())
+    raw["backward_entries"].append(dict(raw["backward_entries"][0], config={"block_q": 32}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="BackwardBlockSizes.block_q=32"):
+        mg.load_table(str(bad))
+    raw["backward_entries"][-1]["config"] = raw["backward_entries"][0]["config"]
+    bad.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"backward_entries\[4\] repeats the key"):
+        mg.load_table(str(bad))
+
+
 def test_split_kv_for_decoding():
     spec = make_spec(64, 32768, (-1, 0), bottom_right=True, N=8, K=1, Dqk=128)
     bs = mg.BlockSizes(block_q=64, num_compute_wgs=1)

@@ -111,12 +111,12 @@ def test_gpu_automatic_choice():
     key = jax.random.key(2)
     for kw in (dict(mask="causal", dropout_rate=0.1, dropout_rng=key), dict(mask="causal", window=(64, 0)),
                dict(mask="none", window=(32, 32))):
-        assert flashmesh.explain(q, q, q, **kw).chosen == "pallas_mosaic_gpu", kw
-        np.testing.assert_array_equal(flashmesh.attention(q, q, q, **kw),
-                                      flashmesh.attention(q, q, q, implementation="pallas_mosaic_gpu", **kw))
-    v = q[..., :32]
-    assert flashmesh.explain(q, q, v, mask="causal").chosen == "cudnn"
-    assert flashmesh.explain(q, q, q, mask="causal", window=(1024, 0)).chosen == "cudnn"
+        assert flashmesh.explain(d64, d64, d64, **kw).chosen == "pallas_mosaic_gpu", kw
+        np.testing.assert_array_equal(flashmesh.attention(d64, d64, d64, **kw), flashmesh.attention(
+            d64, d64, d64, implementation="pallas_mosaic_gpu", **kw))
+    v = d64[..., :32]
+    assert flashmesh.explain(d64, d64, v, mask="causal").chosen == "cudnn"
+    assert flashmesh.explain(d64, d64, d64, mask="causal", window=(1024, 0)).chosen == "cudnn"
 
 
 def _rel(a, b):

@@ -27,14 +27,14 @@ hashes, uint32 [B, N, T], outside the custom VJP. The forward and both backward 
 them, so the seed never reaches the kernels and is not differentiated.
 
 In the automatic order on a GPU, first for dropout (cuDNN cannot draw flashmesh's mask), windows
-narrow enough for the window kernel (faster than cuDNN) and any call cuDNN cannot run; cuDNN
-keeps the rest, and context-parallel steps and q of 2^30 elements or more wait for a GPU check
-(`automatic_reason`).
+narrow enough for the window kernel (faster than cuDNN), head dim 64 self-attention with the
+fused backward, and any call cuDNN cannot run; cuDNN keeps the rest, and context-parallel steps
+and q of 2^30 elements or more wait for a GPU check (`automatic_reason`).
 Measured on the H200 with every peer in one run (`flashmesh bench --preset anchors`,
-benchmarks/results/2026-12-02-nvidia-h200-anchors, bf16, back to back, fwd / fwd+bwd over the
-best of cuDNN, FA3 and tokamax): sliding window seed000_gqa_swa 0.77x / 0.80x; MLA 128/64 0.94x /
-0.94x; full_4k_h16_d128 1.14x / 1.24x; causal_8k_h32_d128 0.98x / 1.23x; causal_8k_h32_d64 0.95x /
-1.16x; gqa_causal_16k 1.13x / 1.22x. The backward is the slower half.
+benchmarks/results/2026-12-02-nvidia-h200-anchors-2, bf16, back to back, fwd / fwd+bwd over the
+best of cuDNN, FA3 and tokamax): sliding window seed000_gqa_swa 0.81x / 0.79x; MLA 128/64 0.93x /
+0.93x; full_4k_h16_d128 1.14x / 1.23x; causal_8k_h32_d128 1.02x / 1.23x; causal_8k_h32_d64 0.94x /
+0.92x; gqa_causal_16k 1.11x / 1.20x. The d128 backward is the slower half.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     """Why the automatic choice passes over this call (to cuDNN where it runs it), or None.
 
     Taken: dropout (cuDNN cannot draw flashmesh's mask), windows narrow enough for the window
-    kernel (measured faster than cuDNN), head dim 64 full or causal where the backward is the
-    fused kernel (measured faster than cuDNN on the three d64 anchors, fwd and fwd+bwd,
+    kernel (measured faster than cuDNN), head dim 64 self-attention (T == S, no segments)
+    where the backward is the fused kernel (the table's causal entry, and full attention up to
+    128: measured faster than cuDNN on the three d64 anchors, fwd and fwd+bwd,
     benchmarks/results/2026-12-02-nvidia-h200-anchors-2), and whatever cuDNN refuses. Passed
     over: calls of the kinds cuDNN measured faster or about as fast on (d128 full, causal,
     wider windows, MLA where its version runs it), and what has not been checked on a GPU yet: context-parallel steps, and
@@ -107,8 +108,9 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     fwd, bwd = config(spec, device_kind)
     if spec.has_dropout or isinstance(fwd, common.WindowBlockSizes):
         return None
-    if bwd.fused_dq and spec.qk_dim == spec.v_dim == 64:
-        return None  # d64 with the fused backward: faster than cuDNN on every d64 anchor
+    if (bwd.fused_dq and spec.qk_dim == spec.v_dim == 64 and spec.q_len == spec.kv_len
+            and spec.segments is None):
+        return None  # d64 self-attention with the fused backward: faster on the d64 anchors
     if cudnn.unsupported_reason(spec, platform, automatic=True) is not None:
         return None
     return ("cuDNN runs this call and measured faster or about as fast on calls of its kind "

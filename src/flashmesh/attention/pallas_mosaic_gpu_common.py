@@ -482,7 +482,8 @@ def mask_kind(spec: AttentionSpec) -> str:
     return "causal" if spec.window == (-1, 0) else "window"
 
 
-def _matches(key: dict, spec: AttentionSpec) -> bool:
+def key_matches(key: dict, spec: AttentionSpec) -> bool:
+    """Whether a table key (the _KEYS fields it has; absent = any) matches a call."""
     left, right = spec.window
     width = left + right + 1 if min(left, right) >= 0 else None
     length = max(spec.q_len, spec.kv_len)
@@ -500,7 +501,8 @@ def _matches(key: dict, spec: AttentionSpec) -> bool:
 @functools.cache
 def load_table(path: str = str(CONFIGS_PATH)) -> dict:
     """The table {"devices": {family: [device-kind substrings]}, "entries": [{"device",
-    "key", "config", ...}]}, each config a valid BlockSizes and no two keys equal."""
+    "key", "config", ...}], "backward_entries": [the same, configs of BackwardBlockSizes]},
+    each config valid and no two keys of a list equal."""
     table = json.loads(pathlib.Path(path).read_text())
     seen = set()
     for i, entry in enumerate(table["entries"]):
@@ -512,6 +514,20 @@ def load_table(path: str = str(CONFIGS_PATH)) -> dict:
         ident = (entry["device"], json.dumps(entry["key"], sort_keys=True))
         if ident in seen:
             raise ValueError(f"entries[{i}] repeats the key {ident}")
+        seen.add(ident)
+    from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes
+
+    seen = set()
+    for i, entry in enumerate(table.get("backward_entries", ())):
+        if entry["device"] not in table["devices"]:
+            raise ValueError(f"backward_entries[{i}].device={entry['device']!r} must be one of "
+                             f"{sorted(table['devices'])}")
+        if unknown := set(entry["key"]) - set(_KEYS):
+            raise ValueError(f"backward_entries[{i}].key has unknown fields {sorted(unknown)}; known: {_KEYS}")
+        BackwardBlockSizes(**entry["config"])
+        ident = (entry["device"], json.dumps(entry["key"], sort_keys=True))
+        if ident in seen:
+            raise ValueError(f"backward_entries[{i}] repeats the key {ident}")
         seen.add(ident)
     return table
 
@@ -537,7 +553,7 @@ def matching_entry(spec: AttentionSpec, device_kind: str) -> dict | None:
         return not isinstance(config, WindowBlockSizes) or window_reason(spec, config) is None
 
     found = [e for e in load_table()["entries"]
-             if e["device"] == family and _matches(e["key"], spec) and takes(e)]
+             if e["device"] == family and key_matches(e["key"], spec) and takes(e)]
     return max(found, key=lambda e: len(e["key"]), default=None)
 
 

@@ -18,7 +18,9 @@ dC' = P ∘ (dP ∘ keep - (1 - r) delta), with (1 - r) delta scaled in XLA. dQ,
 the 1 / (1 - r) at the end, with the logit scale, so each element pays two selects on top
 of its hash.
 
-By default two kernels, deterministic (no atomics), as tokamax's sm90 VJP and jax's attention_mgpu:
+Two forms; `default_for` picks by the tile table's backward_entries (the fused one for head
+dim 64 self-attention, as measured; never under spec.reproducible). Two kernels, deterministic
+(no atomics), as tokamax's sm90 VJP and jax's attention_mgpu:
 * dK/dV (KV-stationary, FA2/FA3): grid (key tile, kv head, batch); each of W compute
   warpgroups owns block_kv / W keys and keeps dK, dV in registers; the memory warpgroup streams
   (Q, dO, lse, delta) tiles of block_q rows by TMA into a ring of num_stages SMEM slots, over the
@@ -30,13 +32,15 @@ By default two kernels, deterministic (no atomics), as tokamax's sm90 VJP and ja
   longest causal ones first); each compute warpgroup owns
   block_q_dq / W query rows; the memory warpgroup streams K and V tiles of block_kv_dq keys over
   `band_kv_range`. Per step S = Q Kᵀ and dP = dO Vᵀ, then dQ += dS K (dS from registers).
-* Fused (`BackwardBlockSizes.fused_dq`, opt-in; FA3's five GEMMs): the dK/dV kernel alone,
+* Fused (`BackwardBlockSizes.fused_dq`; FA3's five GEMMs): the dK/dV kernel alone,
   each step also storing dSᵀ to SMEM and computing dQ_part = dS K over the warpgroup's keys
   (dSᵀ as WGMMA's transposed A), which leaves by TMA reduce-add into a float32 accumulator
   [B, Tp, N, Dqk] (a jax.Ref, zeroed); the wrapper scales and casts it. The dQ kernel's S and
   dP GEMMs are saved; the float32 additions' order varies, so dQ is not bit-reproducible. The
   interpreter has no TMA reduction: there each (key tile, warpgroup) writes its own slice of a
   [nkv * W, B, Tp, N, Dqk] accumulator, summed afterwards. Not with a bias or split_dkv.
+  `stagger_q` (opt-in, untimed): key tiles whose query tiles are all full visit them from a
+  start of their own, so one head's key tiles do not reduce-add into the same dQ rows at once.
 Tiles outside a band are never loaded or computed; tiles whose pairs are all visible (FULL)
 run without mask arithmetic. GQA sums dK/dV over the group's heads inside the kernel.
 
@@ -76,8 +80,8 @@ Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte ro
 256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
 step's (wgmma_wait(1)), ping-pong between
 warpgroups, a persistent LPT grid, OOB-filled TMA instead of padded copies,
-`unsafe_no_auto_barriers`; the fused kernel is not yet the default (not yet compiled and
-timed on a GPU when written, 2026-12-02: `benchmarks/probe_mosaic.py --bwd` compares them).
+`unsafe_no_auto_barriers`; at d128 the fused kernel is slower than the two (3.28 against 2.95
+ms causal 8k, 4.81 against 3.02 full 4k on the H200, `benchmarks/probe_mosaic.py --bwd-grid`).
 
 Example (sm90 = flashmesh.attention.pallas_mosaic_gpu_sm90, q/k/v/do as sm90.forward's):
     >>> spec = sm90.spec_for(q, k, v, scale=0.125, window=(-1, 0))

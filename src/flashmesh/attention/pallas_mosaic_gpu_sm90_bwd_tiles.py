@@ -19,7 +19,8 @@ import numpy as np
 
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES,
-                                                            WARPGROUP, WGMMA_M, TileRanges)
+                                                            WARPGROUP, WGMMA_M, TileRanges, key_matches,
+                                                            load_table)
 from flashmesh.attention.spec import AttentionSpec
 
 SMEM_SLACK = 2048  # bytes of shared memory beyond the tiles: barriers, 1024-byte alignment
@@ -165,38 +166,27 @@ class BackwardBlockSizes:
         return self
 
 
-# Measured on the H200 (benchmarks/results/2026-12-02-nvidia-h200-bwd-probe, `probe_mosaic.py
-# --bwd-grid`, the backward alone, back to back): (qk_dim, v_dim, mask kind) -> the fastest
-# config of the grid. d64 causal 8k: the fused kernel with 128-query steps 1.575 ms against the
-# two-kernel default's 2.093 (cuDNN's backward 1.857); d128 causal 8k / full 4k: the dQ kernel's
-# 128-key steps with 2 stages 2.948 / 3.021 against 3.039 / 3.103. The window shape keeps the
-# default (64-key dQ steps: 1.165-1.177 ms against 1.272). Taken where the config fits the call.
-MEASURED = {
-    (64, 64, "causal"): dict(block_q=128, num_stages=2, fused_dq=True),
-    (64, 64, "none"): dict(block_q=128, num_stages=2, fused_dq=True),
-    (128, 128, "causal"): dict(block_kv_dq=128, num_stages=2),
-    (128, 128, "none"): dict(block_kv_dq=128, num_stages=2),
-}
-
-
-def _mask_kind(spec: AttentionSpec) -> str:
-    left, right = spec.window
-    if left < 0 and right < 0:
-        return "none"
-    return "causal" if left < 0 and right == 0 else "window"
+def measured_entry(spec: AttentionSpec) -> dict | None:
+    """The backward_entries entry of pallas_mosaic_gpu_configs.json for a call (the kernels are
+    sm90's): of the entries whose key fields all match, the one with most fields, the first
+    among equals; None if none matches."""
+    entries = [e for e in load_table().get("backward_entries", ())
+               if e["device"] == "sm90" and key_matches(e["key"], spec)]
+    return max(entries, key=lambda e: len(e["key"]), default=None)
 
 
 def default_for(spec: AttentionSpec) -> BackwardBlockSizes:
-    """The measured config of MEASURED where it fits the call (not the fused kernel when
-    spec.reproducible: its dQ reductions run in a varying order), else the untuned default: 64 x
+    """The config of the table's matching backward entry (`measured_entry`) where it fits the
+    call (not the fused kernel when spec.reproducible: its dQ reductions run in a varying
+    order), else the untuned default: 64 x
     128 dK/dV tiles and 128 x 64 dQ tiles with 2 warpgroups and 3 stages where they fit, else
     2, else 1; for head dims whose dK and dV accumulators do not fit the registers together
     (d256, MLA 192/128) the split dK/dV passes, then one warpgroup of 64 keys;
     NotImplementedError if nothing fits."""
-    measured = MEASURED.get((spec.qk_dim, spec.v_dim, _mask_kind(spec)))
-    if measured is not None and not (spec.reproducible and measured.get("fused_dq")):
+    entry = measured_entry(spec)
+    if entry is not None and not (spec.reproducible and entry["config"].get("fused_dq")):
         try:
-            return BackwardBlockSizes(**measured).validate_for(spec)
+            return BackwardBlockSizes(**entry["config"]).validate_for(spec)
         except ValueError:  # e.g. a bias (no fused kernel) or dropout's SMEM: the untuned rule
             pass
     shapes = (dict(), dict(block_kv=64, block_q_dq=64, num_compute_wgs=1))

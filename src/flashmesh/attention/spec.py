@@ -22,12 +22,13 @@ SOFTMAX_TYPES: tuple[str, ...] = ("vanilla", "off_by_one", "learnable")
 # merging two partial results with lse = logaddexp(a, b) stays NaN-free when both are empty.
 EMPTY_ROW_LSE = -1e30
 
+
 def reproducible_reason(spec: "AttentionSpec", what: str) -> str | None:
     """Why `what` (GPU ops that XLA's determinism guide lists as run non-deterministically:
     scatters, multi-head attention) cannot promise spec.reproducible, or None if not asked."""
     if spec.reproducible:
-        return (f"reproducible=True: {what} may sum in a varying order on a GPU (XLA lists "
-                "them among its non-deterministic ops)")
+        return (f"reproducible=True: {what} may sum in a varying order on a GPU (XLA's "
+                "determinism guide lists scatters and attention among its non-deterministic ops)")
     return None
 
 

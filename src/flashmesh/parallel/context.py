@@ -147,9 +147,12 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
       return_lse: also return the log-sum-exp [B, N, T], in the same order and sharding.
       **options: every other option of `flashmesh.attention` (mask, window, segments, bias,
         scale, softmax, sink, logits_soft_cap, dropout_rate, dropout_rng, deterministic,
-        layout), with the same meaning. Dropout drops what one device drops for the same rng
-        (the hash sees global token and head numbers); with `batch_axis`, give each data shard
-        its own key as for any data-parallel dropout.
+        layout, reproducible), with the same meaning. Dropout drops what one device drops for
+        the same rng (the hash sees global token and head numbers); with `batch_axis`, give
+        each data shard its own key as for any data-parallel dropout. reproducible=True on a
+        GPU: the automatic choice of a step has only `reference` (cuDNN and chunked refuse,
+        `pallas_mosaic_gpu` is not yet chosen inside steps), so name
+        implementation="pallas_mosaic_gpu" for long sequences.
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("cp",))

@@ -69,7 +69,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashmesh.attention import api, cudnn
-from flashmesh.attention.spec import AttentionSpec
+from flashmesh.attention.spec import AttentionSpec, reproducible_reason
 from flashmesh.attention.varying import varying_axes
 from flashmesh.quantization import combine, scaling
 from flashmesh.quantization.state import declare as declare_variables
@@ -219,6 +219,8 @@ def spec_reason(spec: AttentionSpec, *, is_training: bool = True) -> str | None:
                 "drops segment offsets")
     if spec.has_dropout:
         return "dropout: JAX's FP8 attention never passes dropout_rate to cuDNN"
+    if reason := reproducible_reason(spec, "cuDNN's FP8 attention"):
+        return reason
     if spec.window not in ((-1, -1), (-1, 0)):
         return f"window={spec.window}: JAX's FP8 attention never passes a sliding window to cuDNN"
     if spec.softmax != "vanilla":
