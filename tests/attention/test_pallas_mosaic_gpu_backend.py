@@ -203,6 +203,13 @@ def test_describe_names_the_tiles_and_their_source():
     assert "forward tiles 128x" in text and "backward dK/dV 64x128" in text
     assert "table entry" in text or "heuristic" in text
     assert "compile time not measured" in text or "compiled in" in text
+    assert "from the backward table entry causal_8k_h32_d128" in text
+    fused = pallas_mosaic_gpu.describe(_spec(mask="causal"), "NVIDIA H200")
+    assert "one fused kernel 128x128" in fused and "not bit-reproducible" in fused
+    fixed = pallas_mosaic_gpu.describe(_spec(mask="causal", reproducible=True), "NVIDIA H200")
+    assert "does not fit this call under reproducible=True" in fixed and "dQ 128x64" in fixed
+    assert "backward rule (no table entry)" in pallas_mosaic_gpu.describe(
+        _spec(mask="causal", window=(32, 0)), "NVIDIA H200")
     with pytest.raises(NotImplementedError, match="Hopper"):
         pallas_mosaic_gpu.describe(_spec(), "NVIDIA A100-SXM4-80GB")
 

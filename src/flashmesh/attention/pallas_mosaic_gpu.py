@@ -171,11 +171,21 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
     passes = " in two passes (dK, then dV)" if back.split_dkv else ""
     if back.fused_dq:
         backward = (f"backward one fused kernel {back.block_q}x{back.block_kv} (dK/dV, and dQ by TMA "
-                    f"reduce-add; not bit-reproducible)")
+                    f"reduce-add{', staggered' if back.stagger_q else ''}; not bit-reproducible)")
     else:
         backward = (f"backward dK/dV {back.block_q}x{back.block_kv}{passes}, dQ "
                     f"{back.block_q_dq}x{back.block_kv_dq}")
-    return f"{forward} from {source}; {backward}, {back.num_stages} stages; {compiled}"
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_tiles as bwd_tiles
+
+    measured = bwd_tiles.measured_entry(spec)
+    if measured is not None and bwd_tiles.BackwardBlockSizes(**measured["config"]) == back:
+        origin = f"backward table entry {measured.get('anchor', measured['key'])}"
+    elif measured is not None:
+        origin = (f"backward rule (the table entry {measured.get('anchor', measured['key'])} does not "
+                  f"fit this call{' under reproducible=True' if spec.reproducible else ''})")
+    else:
+        origin = "backward rule (no table entry)"
+    return f"{forward} from {source}; {backward}, {back.num_stages} stages, from the {origin}; {compiled}"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
