@@ -11,7 +11,7 @@
 #   FLASHMESH_COMMIT=<hash> so the reports name the right one, the hash written out in the
 #   command: the command runs on the device, where $(git rev-parse HEAD) gives the stale HEAD
 #   (2026-12-01: two reports named the previous commit and were corrected by hand).
-#   tune: `flashmesh tune` (TUNE_ARGS for options); the updated config table comes back as
+#   tune: `flashmesh tune` (TUNE_ARGS for options, e.g. "--backward --max-candidates 8"); the updated config table comes back as
 #   $OUT/pallas_mosaic_gpu_configs.json.
 #   Results are written straight under $OUT/benchmarks/results (as each row is measured), so a
 #   step killed by its limit, or a call killed by the device's, still brings back what it did.

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from flashmesh.attention import pallas_mosaic_gpu_common as common
+from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_tiles as bwd_tiles
 from flashmesh.bench import cli, tune
 from flashmesh.bench.shapes import ANCHOR_SHAPES
 
@@ -88,3 +89,36 @@ def test_tiny_interpret_run_end_to_end(tmp_path, capsys):
     common.load_table.cache_clear()
     # --no-progress: one log line per candidate, numbered against the total
     assert re.search(r"^tune 1/1 \d\d:\d\d:\d\d: tune_tiny: ", capsys.readouterr().out, re.M)
+
+
+def test_backward_candidates_start_with_todays_config_and_all_fit():
+    from flashmesh.bench import tune_backward
+
+    spec = tune.spec_of(tune.TINY)
+    found = tune_backward.candidates(spec)
+    assert found[0] == bwd_tiles.default_for(spec) and len(found) == len(set(found)) > 4
+    assert any(bs.fused_dq and bs.stagger_q for bs in found) and any(not bs.fused_dq for bs in found)
+    for bs in found:
+        assert bs.validate_for(spec) is bs
+    assert tune_backward.candidates(spec, 2) == found[:2]
+    assert tune_backward.config_fields(bwd_tiles.BackwardBlockSizes(block_q=128, fused_dq=True)) == {
+        "block_q": 128, "fused_dq": True}
+
+
+def test_tiny_interpret_backward_run_writes_backward_entries(tmp_path):
+    table = tmp_path / "t.json"
+    table.write_text(common.CONFIGS_PATH.read_text())
+    assert cli.main(["tune", "--backward", "--interpret", "--tiny", "--max-candidates", "1", "--warmup", "0",
+                     "--iters", "1", "--rounds", "1", "--table", str(table), "--out", str(tmp_path),
+                     "--no-progress"]) == 0
+    data = json.loads(next(tmp_path.glob("*-tune")).joinpath("results.json").read_text())
+    (row,) = data["shapes"][0]["rows"]
+    assert data["meta"]["kernel"] == "backward" and row["status"] == "ok" and row["error"] < tune.TOLERANCE, row
+    written = json.loads(table.read_text())
+    # the tiny shape's key (d64 causal) is causal_8k_h32_d64's: that entry takes the result
+    (entry,) = [e for e in written["backward_entries"]
+                if e["key"] == {"qk_dim": 64, "v_dim": 64, "mask": "causal"}]
+    assert entry["tuned"] and entry["source"].startswith("flashmesh tune --backward")
+    assert len(written["backward_entries"]) == len(common.load_table()["backward_entries"])
+    assert written["entries"] == json.loads(common.CONFIGS_PATH.read_text())["entries"]  # forward untouched
+    common.load_table.cache_clear()

@@ -12,6 +12,9 @@ synchronisation) wins. Its table entry (the one naming the shape as `anchor`, el
 the same key, else a new one) gets the config, `tuned: true` and what was measured. The run
 also writes `<out>/<date>-<device>-tune/` (results.json with every candidate, report.md).
 
+`--backward` tunes the backward kernels the same way instead (`tune_backward`: checked against
+chunked's gradients, written into the table's backward_entries).
+
 `--interpret` runs the kernels in Mosaic GPU's interpreter on a CPU, at the given (tiny) shapes:
 it checks the plumbing; its times say nothing about a GPU and it writes no table unless
 `--table` names one.
@@ -31,7 +34,7 @@ import numpy as np
 
 from flashmesh.attention import pallas_mosaic_gpu
 from flashmesh.attention import pallas_mosaic_gpu_common as common
-from flashmesh.bench import report, runner, timing
+from flashmesh.bench import report, runner, timing, tune_backward
 from flashmesh.bench.shapes import ANCHOR_SHAPES, Shape
 
 TOLERANCE = 2e-2  # relative L2 against chunked, bf16 inputs (the kernels measure ~5e-3)
@@ -147,11 +150,15 @@ def _inputs(q, k, v):
     return AttentionInputs(q=q, k=k, v=v)
 
 
-def write_table(path: Path, results: list[dict], meta: dict) -> None:
-    """Each shape's best config into its entry (by anchor name, else key; new entries appended)."""
+def write_table(path: Path, results: list[dict], meta: dict, specs: dict | None = None) -> None:
+    """Each shape's best config into its entry (by anchor name, else key; new entries appended):
+    forward results into "entries", backward ones (`tune_backward`) into "backward_entries"."""
     table = json.loads(path.read_text())
     entries = table["entries"]
+    tune_backward.write_entries(table, [r for r in results if r.get("kernel") == "backward"], specs or {}, meta)
     for res in results:
+        if res.get("kernel") == "backward":
+            continue
         if res["best"] is None:
             continue
         best = res["best"]
@@ -175,15 +182,19 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
 
 
 def run(shapes: list[Shape], config: runner.RunConfig, *, interpret: bool = False, limit: int | None = None,
-        table: Path | None = None, out: str = "benchmarks/results", argv=None) -> tuple[list[dict], Path]:
-    """Tune every shape; write the table (unless interpret without `table`) and the report."""
+        table: Path | None = None, out: str = "benchmarks/results", argv=None,
+        backward: bool = False) -> tuple[list[dict], Path]:
+    """Tune every shape (the backward kernels' configs when `backward`, else the forward's);
+    write the table (unless interpret without `table`) and the report."""
     if not interpret and (reason := pallas_mosaic_gpu._device_reason()):
         raise NotImplementedError(f"flashmesh tune measures the Mosaic GPU kernels: {reason}")
     for shape in shapes:
         if reason := pallas_mosaic_gpu.static_reason(spec_of(shape)):
             raise ValueError(f"--shapes: {shape.name} cannot run on the kernels: {reason}")
-    meta = metadata(argv, interpret)
-    total = sum(len(candidates(spec_of(s), limit)) for s in shapes)
+    meta = dict(metadata(argv, interpret), kernel="backward" if backward else "forward")
+    specs = {s.name: spec_of(s) for s in shapes}
+    count = tune_backward.candidates if backward else candidates
+    total = sum(len(count(specs[s.name], limit)) for s in shapes)
     results = []
     with runner._progress(config.progress, total) as advance:
         if not config.progress:  # a log's reader (a GPU run's output) sees where the run is
@@ -192,11 +203,16 @@ def run(shapes: list[Shape], config: runner.RunConfig, *, interpret: bool = Fals
             def advance(text: str):
                 print(f"tune {next(numbers)}/{total} {time.strftime('%H:%M:%S')}: {text}", flush=True)
         for shape in shapes:
-            results.append(tune_shape(shape, config, interpret=interpret, limit=limit, advance=advance))
+            if backward:
+                results.append(tune_backward.tune_shape(
+                    shape, specs[shape.name], config, interpret=interpret, limit=limit, advance=advance,
+                    rel=_rel, tolerance=TOLERANCE))
+            else:
+                results.append(tune_shape(shape, config, interpret=interpret, limit=limit, advance=advance))
     if table is None and not interpret:
         table = common.CONFIGS_PATH
     if table is not None:
-        write_table(Path(table), results, meta)
+        write_table(Path(table), results, meta, specs)
     directory = report.results_dir(out, meta)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "results.json").write_text(json.dumps(dict(meta=meta, shapes=results), indent=1, default=str))
@@ -223,8 +239,9 @@ def markdown(meta: dict, results: list[dict]) -> str:
     lines = [f"# flashmesh tune on {meta['device']}", "",
              f"{meta['date']} {meta['time_utc']} UTC, commit `{meta['commit']}`, jax {meta['jax_version']}"
              + (" (interpret mode: times say nothing about a GPU)" if meta["interpret"] else ""), "",
-             "Each candidate forward config of `pallas_mosaic_gpu_sm90` checked against `chunked` "
-             f"(relative L2 <= {TOLERANCE}), then timed in interleaved rounds; ms is the median of "
+             f"Each candidate {meta.get('kernel', 'forward')} config of `pallas_mosaic_gpu_sm90"
+             f"{'_bwd' if meta.get('kernel') == 'backward' else ''}` checked against `chunked` "
+             f"(relative L2 <= {TOLERANCE}{', the largest of dq, dk, dv' if meta.get('kernel') == 'backward' else ''}), then timed in interleaved rounds; ms is the median of "
              "synchronised calls, back to back the time per call of calls issued with one "
              "synchronisation (the figure that chooses).", ""]
     for res in results:
@@ -251,11 +268,28 @@ def add_arguments(parser):
                         help="run in Mosaic GPU's interpreter on a CPU (plumbing only; tiny shapes via "
                              "--tiny; writes no table unless --table)")
     parser.add_argument("--tiny", action="store_true", help="one tiny shape (for --interpret)")
+    parser.add_argument("--backward", action="store_true",
+                        help="tune the backward kernels' configs (the table's backward_entries)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
     return parser
+
+
+def _interpreter_threads(devices: int = 8) -> None:
+    """Mosaic GPU's interpreter runs a kernel's warpgroups as threads that wait on each other
+    inside XLA callbacks; with the CPU client's default single device on a 2-core machine they
+    deadlock (observed: `tune --interpret` hung with no CPU use), with 8 CPU devices (as the
+    test suite runs) they do not. Set before JAX's backend starts; a started one is left as it
+    is (a warning)."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(devices, jax.config.jax_num_cpu_devices))
+    except RuntimeError as e:  # the backend already started
+        import warnings
+
+        warnings.warn(f"flashmesh tune --interpret: could not raise the CPU device count ({e}); "
+                      "the interpreter may deadlock on a machine with few cores")
 
 
 TINY = Shape("tune_tiny", B=1, T=256, N=2, K=1, Dqk=64, mask="causal")
@@ -265,6 +299,8 @@ def cli(args, argv, parser) -> int:
     from rich.console import Console
 
     known = {s.name: s for s in ANCHOR_SHAPES}
+    if args.interpret:
+        _interpreter_threads()
     try:
         if args.tiny:
             shapes = [TINY]
@@ -279,7 +315,8 @@ def cli(args, argv, parser) -> int:
         config = runner.RunConfig(warmup=args.warmup, iters=args.iters, rounds=args.rounds,
                                   progress=not args.no_progress)
         results, directory = run(shapes, config, interpret=args.interpret, limit=args.max_candidates,
-                                 table=Path(args.table) if args.table else None, out=args.out, argv=argv)
+                                 table=Path(args.table) if args.table else None, out=args.out, argv=argv,
+                                 backward=args.backward)
     except (ValueError, NotImplementedError) as e:
         parser.exit(2, f"flashmesh tune: error: {e}\n")
     console = Console()

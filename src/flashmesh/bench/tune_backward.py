@@ -1,0 +1,137 @@
+"""`flashmesh tune --backward`: measure the Hopper backward kernels' tile configurations
+(`pallas_mosaic_gpu_sm90_bwd`) on this GPU and write the fastest into the table's
+`backward_entries` (`attention/pallas_mosaic_gpu_configs.json`).
+
+Shape legend as `shapes.Shape` (B, T, S, N, K, Dqk, Dv).
+
+Per shape: `chunked`'s out and lse (what the backward kernels take from a forward), a random
+output cotangent, and `chunked`'s gradients as the check. Each candidate `BackwardBlockSizes` of `candidates(spec)`
+(the config the call gets today first, then a small grid: the two-kernel form over its query /
+key steps and stages, the fused form over its query step and stages, each fused one also
+staggered) is compiled, run once and checked (the largest relative L2 error of dq, dk, dv <=
+the forward's tolerance; a wrong or failing candidate is reported and never chosen), then all are timed
+together in interleaved rounds; the fastest by the back-to-back figure wins. Fused candidates
+are not bit-reproducible; a call under reproducible=True skips a fused entry (`default_for`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from flashmesh.attention import chunked
+from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+from flashmesh.attention.spec import AttentionInputs
+from flashmesh.bench import runner, timing
+
+GRID = dict(  # the candidate grid; invalid combinations (SMEM, registers) are dropped
+    block_q=(64, 128),
+    block_q_dq=(128, 256),
+    block_kv_dq=(64, 128),
+    num_stages=(3, 2),
+)
+
+
+def config_fields(bs: bwd.BackwardBlockSizes) -> dict:
+    """The fields of a config that differ from BackwardBlockSizes' defaults (a table entry)."""
+    default = bwd.BackwardBlockSizes()
+    return {name: value for name, value in vars(bs).items() if getattr(default, name) != value}
+
+
+def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
+    """Valid backward configs for this call, the one it gets today first."""
+    found = [bwd.default_for(spec)]
+    grid = itertools.product((False, True), GRID["block_q"], GRID["block_q_dq"], GRID["block_kv_dq"],
+                             GRID["num_stages"])
+    for fused, bq, bqdq, bkvdq, stages in grid:
+        # the fused kernel has no dQ kernel: its dQ steps are not varied
+        extra = [dict(fused_dq=True), dict(fused_dq=True, stagger_q=True)] if fused else [
+            dict(block_q_dq=bqdq, block_kv_dq=bkvdq)]
+        for fields in extra:
+            try:
+                bs = bwd.BackwardBlockSizes(block_q=bq, num_stages=stages, **fields).validate_for(spec)
+            except ValueError:
+                continue
+            if bs not in found:
+                found.append(bs)
+    return found[:limit]
+
+
+def _max_rel(got, want, rel) -> float:
+    return max(rel(g, w) for g, w in zip(got, want))
+
+
+def tune_shape(shape, spec, config: runner.RunConfig, *, interpret: bool, limit: int | None, advance,
+               rel, tolerance: float) -> dict:
+    """Every backward candidate of one shape: {"shape", "rows": [...], "best": fields or None}."""
+    q, k, v, _, _ = runner.make_inputs(shape, "bf16", config.seed)
+
+    def reference(q, k, v):
+        return chunked.attention(AttentionInputs(q=q, k=k, v=v), spec)
+
+    (out, lse), vjp = jax.vjp(reference, q, k, v)  # the backward's inputs: chunked's out and lse
+    do = jax.random.normal(jax.random.key(config.seed + 1), out.shape, jnp.float32).astype(out.dtype)
+    want = vjp((do, jnp.zeros_like(lse)))
+    rows, ready = [], []
+    for bs in candidates(spec, limit):
+        advance(f"{shape.name} backward: {bs}")
+        row = dict(config=config_fields(bs))
+        fn = lambda q, k, v, out, lse, do, bs=bs: bwd.backward_spec(
+            q, k, v, out, lse, do, spec, block_sizes=bs, interpret=interpret)[:3]
+        args = (q, k, v, out, lse, do)
+        try:  # eager in the interpreter (see tune.tune_shape)
+            compiled, row["compile_s"] = (fn, None) if interpret else timing.compile_fn(jax.jit(fn), *args)
+            row["error"] = _max_rel(compiled(*args), want, rel)
+        except Exception as e:  # a candidate that cannot run is a row, never a crash
+            status, reason = runner.classify(e)
+            rows.append(dict(row, status=status, reason=reason))
+            continue
+        row["status"] = runner.OK if row["error"] <= tolerance else runner.WRONG
+        rows.append(row)
+        if row["status"] == runner.OK:
+            ready.append((row, compiled))
+    if ready and interpret:  # one eager call each: the plumbing, not a speed
+        for row, fn in ready:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v, out, lse, do))
+            row.update(ms=(time.perf_counter() - t0) * 1e3, ms_back_to_back=(time.perf_counter() - t0) * 1e3)
+    elif ready:
+        timings = timing.time_interleaved([(c, (q, k, v, out, lse, do)) for _, c in ready],
+                                          warmup=config.warmup, iters=config.iters, rounds=config.rounds)
+        for (row, _), t in zip(ready, timings):
+            row.update(ms=t.median_ms, ms_back_to_back=t.back_to_back_ms)
+    best = min((r for r in rows if "ms_back_to_back" in r), key=lambda r: r["ms_back_to_back"], default=None)
+    return dict(shape=shape.name, kernel="backward", rows=rows,
+                best=None if best is None else best["config"],
+                best_ms_back_to_back=None if best is None else best["ms_back_to_back"],
+                default_ms_back_to_back=rows[0].get("ms_back_to_back") if rows else None)
+
+
+def table_key(spec) -> dict:
+    """The backward table key of a call: head dims and mask kind (`default_for` matches it like
+    the forward's keys)."""
+    from flashmesh.attention import pallas_mosaic_gpu_common as common
+
+    return dict(qk_dim=spec.qk_dim, v_dim=spec.v_dim, mask=common.mask_kind(spec))
+
+
+def write_entries(table: dict, results: list[dict], specs: dict, meta: dict) -> None:
+    """Each shape's best backward config into `table["backward_entries"]` (by anchor name, else
+    key; new entries appended)."""
+    entries = table.setdefault("backward_entries", [])
+    for res in results:
+        if res["best"] is None:
+            continue
+        key = table_key(specs[res["shape"]])
+        entry = next((e for e in entries if e.get("anchor") == res["shape"]), None) or next(
+            (e for e in entries if e["device"] == "sm90" and e["key"] == key), None)
+        if entry is None:
+            entry = dict(anchor=res["shape"], device="sm90", key=key)
+            entries.append(entry)
+        entry.update(tuned=True, config=res["best"], source=(
+            f"flashmesh tune --backward {meta['date']} on {meta['device']} (commit {meta['commit']}): "
+            f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates "
+            f"(today's config: {res['default_ms_back_to_back'] or float('nan'):.4f})"))
