@@ -34,7 +34,7 @@ import numpy as np
 
 from flashmesh.attention import pallas_mosaic_gpu
 from flashmesh.attention import pallas_mosaic_gpu_common as common
-from flashmesh.bench import report, runner, timing, tune_backward
+from flashmesh.bench import report, runner, tune_backward, tune_measure
 from flashmesh.bench.shapes import ANCHOR_SHAPES, Shape
 
 TOLERANCE = 2e-2  # relative L2 against chunked, bf16 inputs (the kernels measure ~5e-3)
@@ -109,39 +109,13 @@ def tune_shape(shape: Shape, config: runner.RunConfig, *, interpret: bool = Fals
     spec = spec_of(shape)
     q, k, v, _, _ = runner.make_inputs(shape, "bf16", config.seed)
     want = chunked.attention(_inputs(q, k, v), spec)[0]
-    rows, ready = [], []
-    for bs in candidates(spec, limit):
-        advance(f"{shape.name}: {bs}")
-        row = dict(config=common.config_fields(bs))
-        fn = lambda q, k, v, bs=bs: pallas_mosaic_gpu.forward(q, k, v, spec, bs, interpret=interpret)[0]
-        try:
-            # The interpreter runs eagerly: under jit its warpgroup threads wait on XLA's
-            # callback threads, which a 2-core CPU may not have to spare (a deadlock).
-            compiled, row["compile_s"] = (fn, None) if interpret else timing.compile_fn(jax.jit(fn), q, k, v)
-            row["error"] = _rel(compiled(q, k, v), want)
-        except Exception as e:  # a candidate that cannot run is a row, never a crash
-            status, reason = runner.classify(e)
-            rows.append(dict(row, status=status, reason=reason))
-            continue
-        row["status"] = runner.OK if row["error"] <= TOLERANCE else runner.WRONG
-        rows.append(row)
-        if row["status"] == runner.OK:
-            ready.append((row, compiled))
-    if ready and interpret:  # one eager call each: the plumbing, not a speed
-        for row, fn in ready:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(q, k, v))
-            row.update(ms=(time.perf_counter() - t0) * 1e3, ms_back_to_back=(time.perf_counter() - t0) * 1e3)
-    elif ready:
-        timings = timing.time_interleaved([(c, (q, k, v)) for _, c in ready], warmup=config.warmup,
-                                          iters=config.iters, rounds=config.rounds)
-        for (row, _), t in zip(ready, timings):
-            row.update(ms=t.median_ms, ms_back_to_back=t.back_to_back_ms)
-    best = min((r for r in rows if "ms_back_to_back" in r), key=lambda r: r["ms_back_to_back"], default=None)
-    return dict(shape=shape.name, key=table_key(spec), rows=rows,  # rows[0]: the heuristic's config
-                best=None if best is None else best["config"],
-                best_ms_back_to_back=None if best is None else best["ms_back_to_back"],
-                default_ms_back_to_back=rows[0].get("ms_back_to_back") if rows else None)
+    rows = tune_measure.measure(
+        candidates(spec, limit),
+        lambda bs: lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, spec, bs, interpret=interpret)[0],
+        (q, k, v), lambda got: _rel(got, want), fields=common.config_fields, tolerance=TOLERANCE,
+        interpret=interpret, config=config, label=shape.name, advance=advance)
+    # rows[0]: the heuristic's config
+    return dict(shape=shape.name, key=table_key(spec), **tune_measure.summary(rows))
 
 
 def _inputs(q, k, v):

@@ -17,7 +17,6 @@ are not bit-reproducible; a call under reproducible=True skips a fused entry (`d
 from __future__ import annotations
 
 import itertools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 from flashmesh.attention import chunked
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention.spec import AttentionInputs
-from flashmesh.bench import runner, timing
+from flashmesh.bench import runner, tune_measure
 
 GRID = dict(  # the candidate grid; invalid combinations (SMEM, registers) are dropped
     block_q=(64, 128),
@@ -60,10 +59,6 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
     return found[:limit]
 
 
-def _max_rel(got, want, rel) -> float:
-    return max(rel(g, w) for g, w in zip(got, want))
-
-
 def tune_shape(shape, spec, config: runner.RunConfig, *, interpret: bool, limit: int | None, advance,
                rel, tolerance: float) -> dict:
     """Every backward candidate of one shape: {"shape", "rows": [...], "best": fields or None}."""
@@ -75,39 +70,14 @@ def tune_shape(shape, spec, config: runner.RunConfig, *, interpret: bool, limit:
     (out, lse), vjp = jax.vjp(reference, q, k, v)  # the backward's inputs: chunked's out and lse
     do = jax.random.normal(jax.random.key(config.seed + 1), out.shape, jnp.float32).astype(out.dtype)
     want = vjp((do, jnp.zeros_like(lse)))
-    rows, ready = [], []
-    for bs in candidates(spec, limit):
-        advance(f"{shape.name} backward: {bs}")
-        row = dict(config=config_fields(bs))
-        fn = lambda q, k, v, out, lse, do, bs=bs: bwd.backward_spec(
-            q, k, v, out, lse, do, spec, block_sizes=bs, interpret=interpret)[:3]
-        args = (q, k, v, out, lse, do)
-        try:  # eager in the interpreter (see tune.tune_shape)
-            compiled, row["compile_s"] = (fn, None) if interpret else timing.compile_fn(jax.jit(fn), *args)
-            row["error"] = _max_rel(compiled(*args), want, rel)
-        except Exception as e:  # a candidate that cannot run is a row, never a crash
-            status, reason = runner.classify(e)
-            rows.append(dict(row, status=status, reason=reason))
-            continue
-        row["status"] = runner.OK if row["error"] <= tolerance else runner.WRONG
-        rows.append(row)
-        if row["status"] == runner.OK:
-            ready.append((row, compiled))
-    if ready and interpret:  # one eager call each: the plumbing, not a speed
-        for row, fn in ready:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(q, k, v, out, lse, do))
-            row.update(ms=(time.perf_counter() - t0) * 1e3, ms_back_to_back=(time.perf_counter() - t0) * 1e3)
-    elif ready:
-        timings = timing.time_interleaved([(c, (q, k, v, out, lse, do)) for _, c in ready],
-                                          warmup=config.warmup, iters=config.iters, rounds=config.rounds)
-        for (row, _), t in zip(ready, timings):
-            row.update(ms=t.median_ms, ms_back_to_back=t.back_to_back_ms)
-    best = min((r for r in rows if "ms_back_to_back" in r), key=lambda r: r["ms_back_to_back"], default=None)
-    return dict(shape=shape.name, kernel="backward", rows=rows,
-                best=None if best is None else best["config"],
-                best_ms_back_to_back=None if best is None else best["ms_back_to_back"],
-                default_ms_back_to_back=rows[0].get("ms_back_to_back") if rows else None)
+    rows = tune_measure.measure(
+        candidates(spec, limit),
+        lambda bs: lambda q, k, v, out, lse, do: bwd.backward_spec(
+            q, k, v, out, lse, do, spec, block_sizes=bs, interpret=interpret)[:3],
+        (q, k, v, out, lse, do), lambda got: max(rel(g, w) for g, w in zip(got, want)),
+        fields=config_fields, tolerance=tolerance, interpret=interpret, config=config,
+        label=f"{shape.name} backward", advance=advance)
+    return dict(shape=shape.name, kernel="backward", **tune_measure.summary(rows))
 
 
 def table_key(spec) -> dict:

@@ -1,0 +1,63 @@
+"""What `flashmesh tune` does with one shape's candidates, forward or backward: check each
+against the expected result, time those that pass together, and pick the fastest.
+
+Example:
+    >>> rows = measure(configs, make_fn, (q, k, v), error_of, fields=config_fields,
+    ...                tolerance=2e-2, interpret=False, config=run_config, label="full_4k")
+    >>> summary(rows)["best"]
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import jax
+
+from flashmesh.bench import runner, timing
+
+
+def measure(candidates: Sequence, make_fn: Callable, args: tuple, error_of: Callable, *, fields: Callable,
+            tolerance: float, interpret: bool, config: runner.RunConfig, label: str,
+            advance: Callable[[str], None] = lambda text: None) -> list[dict]:
+    """One row per candidate: {"config": fields(c), "status", "error", "compile_s", "ms",
+    "ms_back_to_back"} (a candidate that fails or errs above `tolerance` keeps its status and
+    reason and is not timed). make_fn(c) is the call of candidate c on `args`; error_of(outputs)
+    its error. The interpreter runs eagerly (under jit its warpgroup threads wait on XLA's
+    callback threads) and is timed by one call each: the plumbing, not a speed."""
+    rows, ready = [], []
+    for candidate in candidates:
+        advance(f"{label}: {candidate}")
+        row = dict(config=fields(candidate))
+        fn = make_fn(candidate)
+        try:
+            compiled, row["compile_s"] = (fn, None) if interpret else timing.compile_fn(jax.jit(fn), *args)
+            row["error"] = error_of(compiled(*args))
+        except Exception as e:  # a candidate that cannot run is a row, never a crash
+            status, reason = runner.classify(e)
+            rows.append(dict(row, status=status, reason=reason))
+            continue
+        row["status"] = runner.OK if row["error"] <= tolerance else runner.WRONG
+        rows.append(row)
+        if row["status"] == runner.OK:
+            ready.append((row, compiled))
+    if ready and interpret:
+        for row, fn in ready:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            row.update(ms=(time.perf_counter() - t0) * 1e3, ms_back_to_back=(time.perf_counter() - t0) * 1e3)
+    elif ready:
+        timings = timing.time_interleaved([(c, args) for _, c in ready], warmup=config.warmup,
+                                          iters=config.iters, rounds=config.rounds)
+        for (row, _), t in zip(ready, timings):
+            row.update(ms=t.median_ms, ms_back_to_back=t.back_to_back_ms)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """{"rows", "best" (the fastest row's config by the back-to-back time, or None),
+    "best_ms_back_to_back", "default_ms_back_to_back" (rows[0]'s: today's config)}."""
+    best = min((r for r in rows if "ms_back_to_back" in r), key=lambda r: r["ms_back_to_back"], default=None)
+    return dict(rows=rows, best=None if best is None else best["config"],
+                best_ms_back_to_back=None if best is None else best["ms_back_to_back"],
+                default_ms_back_to_back=rows[0].get("ms_back_to_back") if rows else None)
