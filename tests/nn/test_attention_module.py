@@ -31,6 +31,15 @@ def test_module_is_the_native_call():
     _close(module.apply(variables, q, k, v), want)
 
 
+def test_reproducible_reaches_the_call():
+    q, k, v = _qkv()
+    module = DotProductAttention(mask="causal", reproducible=True)
+    _close(module.apply({}, q, k, v), flashmesh.attention(q, k, v, mask="causal", reproducible=True))
+    half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    with pytest.raises(NotImplementedError, match="reproducible=True"):  # cuDNN refuses it
+        DotProductAttention(mask="causal", reproducible=True, implementation="cudnn").apply({}, *half)
+
+
 def test_segments_bias_and_mla():
     q, k, v = _qkv(seed=1, dv=D // 2)
     segments = flashmesh.SequenceDescriptor.from_seqlens(jnp.asarray([9, 5], jnp.int32))

@@ -25,8 +25,8 @@ class DotProductAttention(nn.Module):
     the other layouts of `flashmesh.attention` work the same way.
 
     Attributes:
-      mask, window, softmax, logits_soft_cap, scale, layout, implementation: as in
-        `flashmesh.attention`.
+      mask, window, softmax, logits_soft_cap, scale, layout, implementation, reproducible: as
+        in `flashmesh.attention` (reproducible: bit-identical results run to run).
       dropout_rate: dropout on the attention probabilities, drawn from the `dropout_rng_name`
         stream (`apply(..., rngs={"dropout": key})`) unless deterministic.
       deterministic: default for the call argument of the same name (as in `flax.linen.Dropout`).
@@ -48,6 +48,7 @@ class DotProductAttention(nn.Module):
     scale: float | None = None
     layout: str = "bshd"
     implementation: str | None = None
+    reproducible: bool = False
     deterministic: bool | None = None
     dtype: Any = None
     dropout_rng_name: str = "dropout"
@@ -77,7 +78,7 @@ class DotProductAttention(nn.Module):
             mask=self.mask, window=self.window, segments=segments, bias=bias, scale=self.scale,
             softmax=self.softmax, sink=sink, logits_soft_cap=self.logits_soft_cap,
             dropout_rate=self.dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
-            layout=self.layout, implementation=self.implementation)
+            layout=self.layout, implementation=self.implementation, reproducible=self.reproducible)
         arrays = tuple(x for x in (q, k, v) if x is not None)
         out = attend_under_autocast(self, arrays, options)  # FP8 when autocast's recipe asks
         return api.attention(*arrays, **options) if out is None else out
