@@ -503,32 +503,22 @@ def load_table(path: str = str(CONFIGS_PATH)) -> dict:
     """The table {"devices": {family: [device-kind substrings]}, "entries": [{"device",
     "key", "config", ...}], "backward_entries": [the same, configs of BackwardBlockSizes]},
     each config valid and no two keys of a list equal."""
-    table = json.loads(pathlib.Path(path).read_text())
-    seen = set()
-    for i, entry in enumerate(table["entries"]):
-        if entry["device"] not in table["devices"]:
-            raise ValueError(f"entries[{i}].device={entry['device']!r} must be one of {sorted(table['devices'])}")
-        if unknown := set(entry["key"]) - set(_KEYS):
-            raise ValueError(f"entries[{i}].key has unknown fields {sorted(unknown)}; known: {_KEYS}")
-        forward_config(entry["config"])
-        ident = (entry["device"], json.dumps(entry["key"], sort_keys=True))
-        if ident in seen:
-            raise ValueError(f"entries[{i}] repeats the key {ident}")
-        seen.add(ident)
     from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes
 
-    seen = set()
-    for i, entry in enumerate(table.get("backward_entries", ())):
-        if entry["device"] not in table["devices"]:
-            raise ValueError(f"backward_entries[{i}].device={entry['device']!r} must be one of "
-                             f"{sorted(table['devices'])}")
-        if unknown := set(entry["key"]) - set(_KEYS):
-            raise ValueError(f"backward_entries[{i}].key has unknown fields {sorted(unknown)}; known: {_KEYS}")
-        BackwardBlockSizes(**entry["config"])
-        ident = (entry["device"], json.dumps(entry["key"], sort_keys=True))
-        if ident in seen:
-            raise ValueError(f"backward_entries[{i}] repeats the key {ident}")
-        seen.add(ident)
+    table = json.loads(pathlib.Path(path).read_text())
+    for name, check in (("entries", forward_config), ("backward_entries", lambda c: BackwardBlockSizes(**c))):
+        seen = set()
+        for i, entry in enumerate(table.get(name, ())):
+            if entry["device"] not in table["devices"]:
+                raise ValueError(f"{name}[{i}].device={entry['device']!r} must be one of "
+                                 f"{sorted(table['devices'])}")
+            if unknown := set(entry["key"]) - set(_KEYS):
+                raise ValueError(f"{name}[{i}].key has unknown fields {sorted(unknown)}; known: {_KEYS}")
+            check(entry["config"])
+            ident = (entry["device"], json.dumps(entry["key"], sort_keys=True))
+            if ident in seen:
+                raise ValueError(f"{name}[{i}] repeats the key {ident}")
+            seen.add(ident)
     return table
 
 

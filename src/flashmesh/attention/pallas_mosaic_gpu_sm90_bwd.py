@@ -231,16 +231,14 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
     # stagger_q: where every query tile of the range is full, each key tile starts at its own
     # query tile (evenly spread over the range) and wraps around, so that the key tiles of a
     # head do not add into the same dQ rows at the same time; elsewhere the order is unchanged.
-    def visit(q_tile):  # the query tile of loop index q_tile (in [lo, hi))
-        return q_tile
-
+    rot = None  # unstaggered: the loop's order, and no index arithmetic in the kernel
     if bs.stagger_q and dq_ref is not None:
         all_full = (r.full_lo == r.lo) & (r.full_hi == r.hi) & (count > 0)
         n_kv = -(-spec.kv_len // bs.block_kv)
         rot = jnp.where(all_full, lax.div(kv_tile * count, jnp.int32(n_kv)), 0)
 
-        def visit(q_tile):  # noqa: F811 (the staggered order)
-            return r.lo + lax.rem(q_tile - r.lo + rot, jnp.maximum(count, 1))
+    def visit(q_tile):  # the query tile of loop index q_tile (in [lo, hi))
+        return q_tile if rot is None else r.lo + lax.rem(q_tile - r.lo + rot, jnp.maximum(count, 1))
 
     def slot_of(step):
         return lax.rem(step, jnp.int32(stages))

@@ -184,10 +184,10 @@ def default_for(spec: AttentionSpec) -> BackwardBlockSizes:
     (d256, MLA 192/128) the split dK/dV passes, then one warpgroup of 64 keys;
     NotImplementedError if nothing fits."""
     entry = measured_entry(spec)
-    if entry is not None and not (spec.reproducible and entry["config"].get("fused_dq")):
+    if entry is not None:
         try:
             return BackwardBlockSizes(**entry["config"]).validate_for(spec)
-        except ValueError:  # e.g. a bias (no fused kernel) or dropout's SMEM: the untuned rule
+        except ValueError:  # e.g. a bias or reproducible=True (no fused kernel): the untuned rule
             pass
     shapes = (dict(), dict(block_kv=64, block_q_dq=64, num_compute_wgs=1))
     for shape in shapes:

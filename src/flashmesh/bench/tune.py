@@ -124,26 +124,20 @@ def _inputs(q, k, v):
     return AttentionInputs(q=q, k=k, v=v)
 
 
-def write_table(path: Path, results: list[dict], meta: dict, specs: dict | None = None) -> None:
+def write_table(path: Path, results: list[dict], meta: dict) -> None:
     """Each shape's best config into its entry (by anchor name, else key; new entries appended):
     forward results into "entries", backward ones (`tune_backward`) into "backward_entries"."""
     table = json.loads(path.read_text())
     entries = table["entries"]
-    tune_backward.write_entries(table, [r for r in results if r.get("kernel") == "backward"], specs or {}, meta)
+    tune_backward.write_entries(table, [r for r in results if r.get("kernel") == "backward"], meta)
     for res in results:
-        if res.get("kernel") == "backward":
-            continue
-        if res["best"] is None:
+        if res.get("kernel") == "backward" or res["best"] is None:
             continue
         best = res["best"]
         fields = (("kernel", "block_kv", "num_compute_wgs") if best.get("kernel") == "window" else
                   ("block_q", "block_kv", "num_stages", "num_compute_wgs", "intra_wg_overlap"))
         config = {f: best[f] for f in fields}
-        entry = next((e for e in entries if e.get("anchor") == res["shape"]), None) or next(
-            (e for e in entries if e["device"] == "sm90" and e["key"] == res["key"]), None)
-        if entry is None:
-            entry = dict(anchor=res["shape"], device="sm90", key=res["key"])
-            entries.append(entry)
+        entry = tune_measure.table_entry(entries, res["shape"], res["key"])
         best_row = next((r for r in res["rows"] if r.get("config") == best), {})
         if best_row.get("compile_s") is not None:  # what explain reports as its compile time
             entry["compile_s"] = round(best_row["compile_s"], 3)
@@ -186,7 +180,7 @@ def run(shapes: list[Shape], config: runner.RunConfig, *, interpret: bool = Fals
     if table is None and not interpret:
         table = common.CONFIGS_PATH
     if table is not None:
-        write_table(Path(table), results, meta, specs)
+        write_table(Path(table), results, meta)
     directory = report.results_dir(out, meta)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "results.json").write_text(json.dumps(dict(meta=meta, shapes=results), indent=1, default=str))

@@ -77,7 +77,7 @@ def tune_shape(shape, spec, config: runner.RunConfig, *, interpret: bool, limit:
         (q, k, v, out, lse, do), lambda got: max(rel(g, w) for g, w in zip(got, want)),
         fields=config_fields, tolerance=tolerance, interpret=interpret, config=config,
         label=f"{shape.name} backward", advance=advance)
-    return dict(shape=shape.name, kernel="backward", **tune_measure.summary(rows))
+    return dict(shape=shape.name, kernel="backward", key=table_key(spec), **tune_measure.summary(rows))
 
 
 def table_key(spec) -> dict:
@@ -88,19 +88,14 @@ def table_key(spec) -> dict:
     return dict(qk_dim=spec.qk_dim, v_dim=spec.v_dim, mask=common.mask_kind(spec))
 
 
-def write_entries(table: dict, results: list[dict], specs: dict, meta: dict) -> None:
+def write_entries(table: dict, results: list[dict], meta: dict) -> None:
     """Each shape's best backward config into `table["backward_entries"]` (by anchor name, else
     key; new entries appended)."""
     entries = table.setdefault("backward_entries", [])
     for res in results:
         if res["best"] is None:
             continue
-        key = table_key(specs[res["shape"]])
-        entry = next((e for e in entries if e.get("anchor") == res["shape"]), None) or next(
-            (e for e in entries if e["device"] == "sm90" and e["key"] == key), None)
-        if entry is None:
-            entry = dict(anchor=res["shape"], device="sm90", key=key)
-            entries.append(entry)
+        entry = tune_measure.table_entry(entries, res["shape"], res["key"])
         entry.update(tuned=True, config=res["best"], source=(
             f"flashmesh tune --backward {meta['date']} on {meta['device']} (commit {meta['commit']}): "
             f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates "

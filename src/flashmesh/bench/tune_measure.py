@@ -61,3 +61,14 @@ def summary(rows: list[dict]) -> dict:
     return dict(rows=rows, best=None if best is None else best["config"],
                 best_ms_back_to_back=None if best is None else best["ms_back_to_back"],
                 default_ms_back_to_back=rows[0].get("ms_back_to_back") if rows else None)
+
+
+def table_entry(entries: list[dict], shape: str, key: dict) -> dict:
+    """The entry of a tuned shape in a table list: the one naming it as anchor, else the sm90
+    one with the same key, else a new one appended."""
+    entry = next((e for e in entries if e.get("anchor") == shape), None) or next(
+        (e for e in entries if e["device"] == "sm90" and e["key"] == key), None)
+    if entry is None:
+        entry = dict(anchor=shape, device="sm90", key=key)
+        entries.append(entry)
+    return entry
