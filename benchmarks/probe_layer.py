@@ -7,8 +7,6 @@ The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` ro
 same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
 NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8).
 """
-import collections
-import glob
 import re
 import sys
 import tempfile
@@ -16,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from trace_table import profile_table
 
 import flashmesh.te as te
 import flashmesh.te.flax as te_flax
@@ -35,39 +34,6 @@ layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=F, num_attention
                                  hidden_dropout=0.0)
 
 
-GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul", re.I)
-ATTENTION = re.compile(r"mosaic|fmha|cudnn|flash|attention", re.I)
-
-
-def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
-    """Per-step GPU time of a jax.profiler trace, by category and by op / kernel name."""
-    from jax.profiler import ProfileData
-
-    from flashmesh.bench.kernel_time import STREAM_LINE_PREFIX, device_lines
-
-    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
-    if not files:
-        return f"no trace under {trace_dir}"
-    ops, kernels = collections.Counter(), collections.Counter()
-    for line in device_lines(ProfileData.from_file(files[-1]).planes):
-        into = ops if line.name == "XLA Ops" else kernels if line.name.startswith(STREAM_LINE_PREFIX) else None
-        if into is not None:
-            for event in line.events:
-                into[event.name] += event.duration_ns / 1e6 / steps
-    if not kernels:
-        return "no GPU kernels in the trace (not a GPU run?)"
-    total = sum(kernels.values())
-    cats = collections.Counter()
-    for name, ms in kernels.items():
-        cats["GEMM" if GEMM.search(name) else "attention" if ATTENTION.search(name) else "other"] += ms
-    lines = [f"GPU kernel time per step: {total:.3f} ms; "
-             + ", ".join(f"{c} {ms:.3f} ms ({100 * ms / total:.1f}%)" for c, ms in cats.most_common())]
-    for title, table in (("XLA ops", ops), ("kernels", kernels)):
-        lines.append(f"longest {title} (ms per step):")
-        lines += [f"  {ms:8.3f}  {name[:150]}" for name, ms in table.most_common(top)]
-    return "\n".join(lines)
-
-
 def _option(name):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
@@ -84,7 +50,10 @@ def run(fp8, hand_written):
             def apply(v, x, key):
                 return jax_layer(v["params"], x, heads=N, implementation=IMPL)
         else:
-            variables = layer.init(jax.random.key(2), x, deterministic=False)
+            # jitted: an eager init runs (and compiles) the FP8 forward op by op, which took
+            # more than 3 minutes on the H200 (2026-12-02)
+            variables = jax.jit(lambda key, x: layer.init(key, x, deterministic=False))(
+                jax.random.key(2), x)
 
             def apply(v, x, key):
                 return layer.apply(v, x, deterministic=False, rngs={"dropout": key})

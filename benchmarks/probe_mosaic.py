@@ -52,13 +52,14 @@ EXTRA = {  # shape-specific tiles
 
 
 # BackwardBlockSizes fields per backward config; dict() is default_for's two-kernel backward.
-BWD_CONFIGS = [dict(), dict(num_stages=2, fused_dq=True), dict(num_stages=1, fused_dq=True)]
+BWD_CONFIGS = [dict(), dict(num_stages=2, fused_dq=True), dict(num_stages=1, fused_dq=True),
+               dict(num_stages=2, fused_dq=True, dq_columns=True)]
 
 
 def bwd_grid(spec):
     """`--bwd-grid`: default_for's config, then every valid one of a small grid (the fused
     kernel has no dQ kernel, so its block_q_dq / block_kv_dq are not varied; each fused config
-    also with stagger_q)."""
+    also with stagger_q, dq_columns and both where valid)."""
     found, seen = [dict()], set()
     for fused, bq, bqdq, bkvdq, st in itertools.product((False, True), (64, 128), (128, 256),
                                                          (64, 128), (3, 2)):
@@ -75,8 +76,14 @@ def bwd_grid(spec):
             continue
         if bs != bwd.default_for(spec):
             found.append(cfg)
-        if fused:  # and the staggered order of the same tiles
-            found.append({**cfg, "stagger_q": True})
+        if fused:  # and the staggered order, dQ by columns, both, of the same tiles
+            for extra in (dict(stagger_q=True), dict(dq_columns=True),
+                          dict(dq_columns=True, stagger_q=True)):
+                try:
+                    bwd.BackwardBlockSizes(**cfg, **extra).validate_for(spec)
+                except ValueError:
+                    continue
+                found.append({**cfg, **extra})
     return found
 
 

@@ -73,6 +73,11 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
          softmax="learnable", blocks=BBS(num_stages=2, fused_dq=True)),
     Case("fused_dq_stagger_full", T=256, S=200, N=2, K=1, window=(-1, -1),
          blocks=dataclasses.replace(ONE_WG, fused_dq=True, stagger_q=True)),  # 3 key tiles rotated, the tail not
+    # dQ split by columns (each warpgroup 64 of the 128, both warpgroups' dSᵀ): GQA, tails,
+    # causal, a sink; races on (the dSᵀ exchange between the warpgroups)
+    Case("fused_dq_columns_d128_causal_gqa_tails", T=200, S=136, N=2, K=1, Dqk=128, Dv=64,
+         window=(-1, 0), softmax="off_by_one", blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True),
+         races=True),
 ]
 GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 and MLA 192/128
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -119,6 +124,16 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          blocks=BBS(block_q=128, num_stages=2, fused_dq=True, stagger_q=True)),
     Case("gpu_fused_dq_off_by_one_empty_rows", T=128, S=64, N=1, K=1, window=(-1, 0),
          bottom_right=True, softmax="off_by_one", blocks=dataclasses.replace(ONE_WG, fused_dq=True)),
+    # dQ by columns (not yet compiled on a GPU when written, 2026-12-02)
+    Case("gpu_fused_dq_columns_d128_causal_gqa", T=1024, S=1024, N=8, K=2, Dqk=128, Dv=128,
+         window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True)),
+    Case("gpu_fused_dq_columns_d128_full_tails_stagger", T=700, S=900, N=4, K=4, Dqk=128, Dv=128,
+         blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, stagger_q=True)),
+    Case("gpu_fused_dq_columns_d128_window_br_cap", T=1000, S=1100, N=4, K=2, Dqk=128, Dv=128,
+         window=(256, 0), bottom_right=True, cap=2.0, softmax="learnable",
+         blocks=BBS(block_q=128, num_stages=1, fused_dq=True, dq_columns=True)),
+    Case("gpu_fused_dq_columns_mla_128_64_f16", T=512, S=512, N=4, K=1, Dqk=128, Dv=64,
+         window=(-1, 0), dtype="float16", blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True)),
 ]
 
 
@@ -214,6 +229,8 @@ def test_backward_gpu(case):
          blocks=BBS(num_stages=2, fused_dq=True)),
     Case("fused_dq_stagger_d128_full", T=512, S=512, N=4, K=4, Dqk=128, Dv=128,
          blocks=BBS(num_stages=2, fused_dq=True, stagger_q=True)),
+    Case("fused_dq_columns_d128_causal", T=512, S=512, N=4, K=2, Dqk=128, Dv=128, window=(-1, 0),
+         blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True)),
 ], ids=lambda c: c.name)
 def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU
@@ -323,6 +340,17 @@ def test_block_sizes_and_refusals():
     assert fused.registers(spec) == {"dkv": 224}
     with pytest.raises(ValueError, match=r"num_stages=3.*dkv kernel needs"):
         BBS(num_stages=3, fused_dq=True).validate_for(spec)
+    # dQ by columns: dSᵀ twice (by step parity), each partial dQ 64 x 64 x 4 B; the partial's
+    # registers halve: 128 + max(64 + 16, 32 + 32) = 208
+    columns = BBS(num_stages=2, fused_dq=True, dq_columns=True)
+    assert columns.smem_bytes(spec) == {"dkv": 2 * 64 * 520 + 128 * 512 + 2 * 128 * 64 * 2 + 2 * 64 * 64 * 4 + 2048}
+    assert columns.registers(spec) == {"dkv": 208}
+    with pytest.raises(ValueError, match="dq_columns=True needs fused_dq=True and num_compute_wgs=2"):
+        BBS(dq_columns=True)
+    with pytest.raises(ValueError, match="dq_columns=True needs fused_dq=True and num_compute_wgs=2"):
+        dataclasses.replace(ONE_WG, fused_dq=True, dq_columns=True)
+    with pytest.raises(ValueError, match="dq_columns=True needs qk_dim a multiple of 128 for bfloat16"):
+        columns.validate_for(d64)
     x = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 128), jnp.float32)
     bad = dataclasses.replace(spec, bias_shape=(1, 1, 128, 128))

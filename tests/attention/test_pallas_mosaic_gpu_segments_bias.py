@@ -87,6 +87,10 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
     Case("gpu_fused_dq_padding_cross_dropout", mask="none", dropout_rate=0.2, seqlens=True,
          q_ids=(((1, 70), (0, 30)), ((1, 100),)), kv_ids=(((1, 110),), ((1, 40), (0, 70))),
          blocks=(FWD, dataclasses.replace(BWD, fused_dq=True))),
+    Case("gpu_fused_dq_columns_16_documents_causal_d128", N=8, K=2, D=128,
+         blocks=(FWD, dataclasses.replace(BWD, fused_dq=True, dq_columns=True)),
+         q_ids=(tuple((i + 1, n) for i, n in enumerate(
+             [97, 400, 31, 256, 512, 129, 64, 300, 199, 255, 257, 130, 70, 600, 300, 306])),)),
 ]
 # In the interpreter: the fused backward with packed documents, a window and dropout.
 FUSED_CASE = Case("fused_dq_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.25,

@@ -101,6 +101,9 @@ def test_backward_candidates_start_with_todays_config_and_all_fit():
     for bs in found:
         assert bs.validate_for(spec) is bs
     assert tune_backward.candidates(spec, 2) == found[:2]
+    assert not any(bs.dq_columns for bs in found)  # d64: half the columns is no whole swizzle tile
+    d128 = tune_backward.candidates(tune.spec_of(ANCHORS["full_4k_h16_d128"]))
+    assert any(bs.dq_columns and bs.stagger_q for bs in d128) and any(bs.dq_columns and not bs.stagger_q for bs in d128)
     assert tune_backward.config_fields(bwd_tiles.BackwardBlockSizes(block_q=128, fused_dq=True)) == {
         "block_q": 128, "fused_dq": True}
 

@@ -206,14 +206,17 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
     # fused dQ (bs.fused_dq, else None): dq_ref the float32 accumulator [B, Tp, N, Dqk] (a GPU:
     # TMA reduce-add) or [nkv * W, B, Tp, N, Dqk] (interpret: one slice per key tile and
     # warpgroup, summed by the caller), ds_smem [W, rows, bq] (dSᵀ, the dQ GEMM's A
-    # transposed), dq_smem [W, bq, Dqk] float32 (the warpgroup's partial dQ on its way out)
+    # transposed), dq_smem [W, bq, Dqk] float32 (the warpgroup's partial dQ on its way out);
+    # bs.dq_columns: ds_smem [2, W, rows, bq] (by step parity), dq_smem [W, bq, Dqk / W], and
+    # the barriers ds_ready [2] (both warpgroups' dSᵀ are in SMEM), dq_done (both have left
+    # the loop: K's SMEM, which the other warpgroup's dQ GEMMs read, may take dK); else None
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem,
      bias_smem, ds_smem, dq_smem) = smem[:12]
     (k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready,
-     bias_ready) = barriers[:9]
+     bias_ready, ds_ready, dq_done) = barriers[:11]
     n_tok = len(smem[12:]) // 2
     kvtok_smem, qtok_smem = smem[12:12 + n_tok], smem[12 + n_tok:]
-    kvtok_ready, qtok_ready = barriers[9:9 + n_tok], barriers[9 + n_tok:]
+    kvtok_ready, qtok_ready = barriers[11:11 + n_tok], barriers[11 + n_tok:]
     dropout = hash_ref is not None
     stats_ready = ((q_ready, do_ready, lse_ready, delta_ready) + ((hash_ready,) if dropout else ())
                    + ((bias_ready,) if bias_ref is not None else ()) + tuple(qtok_ready))
@@ -260,12 +263,14 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
                 plgpu.barrier_wait(ready.at[wg])
             kv_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in kvtok_smem] + [None]
         accumulate = _mma_from_smem if interpret else _mma_from_registers
+        dq_width = spec.qk_dim // W if bs.dq_columns else spec.qk_dim  # the partial dQ's columns
         staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         kv_tail = spec.kv_len % bs.block_kv != 0
 
         def q_step(q_tile, carry, *, g, masked: bool):
             # part "both": dK and dV; "dv": Sᵀ and dV only; "dk": Sᵀ, dPᵀ and dK only
             masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
+            loop_index = q_tile
             slot = slot_of(g * count + q_tile - r.lo)
             q_tile = visit(q_tile)
             for barrier in stats_ready:
@@ -313,28 +318,43 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
             carry = accumulate(carry, tuple(lhs), tuple(rhs), used)
             plgpu.barrier_arrive(consumed.at[slot])
             if dq_ref is not None:
-                _dq_step(lhs[0], q_tile, kv_head * G + g)
+                _dq_step(lhs[0], q_tile, kv_head * G + g, g * count + loop_index - r.lo)
             return carry
 
-        def _dq_step(ds16, q_tile, head):
-            """dQ[q rows] += dS K over this warpgroup's keys: dSᵀ to SMEM, one GEMM with it as
-            the transposed A, the partial out of SMEM by a TMA reduce-add (FA3's fifth GEMM)."""
-            ds_smem.at[wg][...] = ds16
-            plgpu.commit_smem()
+        def _dq_step(ds16, q_tile, head, step):
+            """dQ[q rows] += dS K (FA3's fifth GEMM): dSᵀ to SMEM, a GEMM with it as the
+            transposed A, the float32 partial out of SMEM by a TMA reduce-add. Over this
+            warpgroup's keys and every column, or (dq_columns) over both warpgroups' keys and
+            this warpgroup's share of the columns, once both dSᵀ are in."""
+            if bs.dq_columns:
+                parity = lax.rem(step, 2)
+                ds_smem.at[parity, wg][...] = ds16
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[parity])
+                plgpu.barrier_wait(ds_ready.at[parity])
+                cols = pl.ds(wg * dq_width, dq_width)
+                pairs = [(ds_smem.at[parity, w], k_smem.at[w, :, cols]) for w in range(W)]
+            else:
+                ds_smem.at[wg][...] = ds16
+                plgpu.commit_smem()
+                cols, pairs = slice(None), [(ds_smem.at[wg], k_smem.at[wg])]
 
             def mma(acc):
-                plgpu.wgmma(acc, ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg])
+                for ds_t, k_part in pairs:
+                    plgpu.wgmma(acc, ds_t.transpose((1, 0)), k_part)
                 return acc[...]
 
-            part_dq = pl.run_scoped(mma, plgpu.ACC((bq, spec.qk_dim), jnp.float32))
+            part_dq = pl.run_scoped(mma, plgpu.ACC((bq, dq_width), jnp.float32))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's partial has left
             dq_smem.at[wg][...] = part_dq
             plgpu.commit_smem()
             rows_q = pl.ds(q_tile * bq, bq)
             if interpret:  # no TMA reduction in the interpreter: this (key tile, wg)'s slice
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[kv_tile * W + wg, batch, rows_q, head])
+                plgpu.copy_smem_to_gmem(dq_smem.at[wg],
+                                        dq_ref.at[kv_tile * W + wg, batch, rows_q, head, cols])
             else:
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[batch, rows_q, head], reduction_op="add")
+                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[batch, rows_q, head, cols],
+                                        reduction_op="add")
 
         def head(g, carry):  # the group's query heads share the band, so one range serves all
             masked_step = functools.partial(q_step, g=g, masked=True)
@@ -346,6 +366,9 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
         zeros = ((() if part == "dv" else (_zeros((rows, spec.qk_dim)),))
                  + (() if part == "dk" else (_zeros((rows, spec.v_dim)),)))
         accs = list(lax.fori_loop(0, G, head, zeros))
+        if bs.dq_columns:  # the other warpgroup's dQ GEMMs read this one's K until it is done
+            plgpu.barrier_arrive(dq_done)
+            plgpu.barrier_wait(dq_done)
         # K and V are no longer read (their last GEMMs were awaited): their SMEM takes dK, dV.
         keep_scale = 1.0 / (1.0 - spec.dropout_rate)
         if part != "dv":
@@ -462,6 +485,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.barrier_wait(hash_ready.at[wg])
             row_hash = plgpu.load(hash_smem.at[wg], layout=ROW)
         accumulate = _mma_from_smem if interpret else _mma_from_registers
+        dq_width = spec.qk_dim // W if bs.dq_columns else spec.qk_dim  # the partial dQ's columns
         staging = None if ds_smem is None else (ds_smem.at[wg],)
         kv_tail = spec.kv_len % bkv != 0
 
@@ -615,14 +639,17 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
             smem_tile((W, rows, bq), dtype) if interpret else None,
             plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None,
             smem_tile((stages, W, rows, bq), dtype) if bias_t is not None else None,
-            smem_tile((W, rows, bq), dtype) if bs.fused_dq else None,
-            plgpu.SMEM((W, bq, spec.qk_dim), jnp.float32) if bs.fused_dq else None]
+            smem_tile(((2,) if bs.dq_columns else ()) + (W, rows, bq), dtype) if bs.fused_dq else None,
+            plgpu.SMEM((W, bq, spec.qk_dim // (W if bs.dq_columns else 1)), jnp.float32)
+            if bs.fused_dq else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bq), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
     barriers += [plgpu.Barrier(num_barriers=stages) if dropout else None]
     barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) if bias_t is not None else None]
+    barriers += ([plgpu.Barrier(num_arrivals=W, num_barriers=2), plgpu.Barrier(num_arrivals=W)]
+                 if bs.dq_columns else [None, None])
     barriers += [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=stages)] * n_tok
     dq_acc = None
     if bs.fused_dq:  # float32, zeroed, updated in place (a jax.Ref the kernel adds into)

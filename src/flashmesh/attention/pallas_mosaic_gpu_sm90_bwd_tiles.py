@@ -50,6 +50,13 @@ class BackwardBlockSizes:
       them from its own starting tile onward and wraps around, so that the key tiles of one
       head do not reduce-add into the same dQ rows at once (full attention: every key tile
       visits every query tile). Opt-in until a GPU has timed it.
+    dq_columns: with fused_dq and two warpgroups, the dQ GEMM is split along the head dim
+      (FA3's layout): after a barrier between the warpgroups, each computes dS K for its
+      qk_dim / 2 columns over all block_kv keys (both warpgroups' dSᵀ, double-buffered in
+      SMEM) and reduce-adds that; the default (False) has each warpgroup compute every column
+      over its own keys. Half the partial dQ's registers and one [block_q, qk_dim] reduce-add
+      per step instead of two, for one barrier per step; needs qk_dim a multiple of 2 x the
+      swizzle width (128 for 16-bit inputs).
     """
 
     block_q: int = 64
@@ -63,6 +70,7 @@ class BackwardBlockSizes:
     split_dkv: bool = False
     fused_dq: bool = False
     stagger_q: bool = False
+    dq_columns: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -78,12 +86,17 @@ class BackwardBlockSizes:
         for name in ("block_q", "block_kv_dq"):
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
-        for name in ("split_dkv", "fused_dq", "stagger_q"):
+        for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:
             raise ValueError("BackwardBlockSizes.stagger_q=True needs fused_dq=True (it spreads the "
                              "fused kernel's dQ reduce-adds)")
+        if self.dq_columns and not (self.fused_dq and self.num_compute_wgs == 2):
+            raise ValueError("BackwardBlockSizes.dq_columns=True needs fused_dq=True and "
+                             f"num_compute_wgs=2 (it splits the fused dQ GEMM between two "
+                             f"warpgroups), got fused_dq={self.fused_dq}, "
+                             f"num_compute_wgs={self.num_compute_wgs}")
         if self.fused_dq and self.split_dkv:
             raise ValueError("BackwardBlockSizes.fused_dq=True needs split_dkv=False (the fused "
                              "step needs dSᵀ, which only the dK pass has)")
@@ -113,7 +126,10 @@ class BackwardBlockSizes:
             dkv += stages * self.block_kv * self.block_q * size + SMEM_SLACK // 2
             dq += (stages + 1) * self.block_q_dq * self.block_kv_dq * size + SMEM_SLACK // 2
         if self.fused_dq:  # dSᵀ and the float32 partial dQ of each warpgroup; no dQ kernel
-            dkv += self.block_kv * self.block_q * size + W * self.block_q * spec.qk_dim * 4
+            # (dq_columns: dSᵀ double-buffered, each partial qk_dim / W wide)
+            buffers, split = (2, W) if self.dq_columns else (1, 1)
+            dkv += (buffers * self.block_kv * self.block_q * size
+                    + W * self.block_q * spec.qk_dim * 4 // split)
             return {"dkv": dkv + SMEM_SLACK}
         return {"dkv": dkv + SMEM_SLACK, "dq": dq + SMEM_SLACK}
 
@@ -128,9 +144,10 @@ class BackwardBlockSizes:
             dkv = max(kv_rows * (self.block_q + spec.v_dim) // WARPGROUP + p16,
                       kv_rows * (2 * self.block_q + spec.qk_dim) // WARPGROUP + p16)
         elif self.fused_dq:  # dK, dV live throughout; Sᵀ, dPᵀ, then the partial dQ and dSᵀ
+            dq_cols = spec.qk_dim // self.num_compute_wgs if self.dq_columns else spec.qk_dim
             dkv = (kv_rows * (spec.qk_dim + spec.v_dim) // WARPGROUP
                    + max(kv_rows * 2 * self.block_q // WARPGROUP + p16,
-                         self.block_q * spec.qk_dim // WARPGROUP + 2 * p16))
+                         self.block_q * dq_cols // WARPGROUP + 2 * p16))
             return {"dkv": dkv}
         else:
             dkv = kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP + 2 * p16
@@ -147,6 +164,10 @@ class BackwardBlockSizes:
             raise ValueError("BackwardBlockSizes.fused_dq=True cannot take a bias: its gradient "
                              "comes from the dQ kernel's dS; use fused_dq=False")
         step = SWIZZLE_BYTES // jnp.dtype(spec.dtype).itemsize
+        if self.dq_columns and spec.qk_dim % (step * self.num_compute_wgs):
+            raise ValueError(f"BackwardBlockSizes.dq_columns=True needs qk_dim a multiple of "
+                             f"{step * self.num_compute_wgs} for {spec.dtype} (each warpgroup's "
+                             f"columns a whole swizzle tile), got qk_dim={spec.qk_dim}")
         for name in ("block_q", "block_kv_dq"):
             if getattr(self, name) % step:
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)} must be a "

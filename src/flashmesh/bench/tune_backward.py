@@ -8,7 +8,7 @@ Per shape: `chunked`'s out and lse (what the backward kernels take from a forwar
 output cotangent, and `chunked`'s gradients as the check. Each candidate `BackwardBlockSizes` of `candidates(spec)`
 (the config the call gets today first, then a small grid: the two-kernel form over its query /
 key steps and stages, the fused form over its query step and stages, each fused one also
-staggered) is compiled, run once and checked (the largest relative L2 error of dq, dk, dv <=
+staggered and with dQ split by columns) is compiled, run once and checked (the largest relative L2 error of dq, dk, dv <=
 the forward's tolerance; a wrong or failing candidate is reported and never chosen), then all are timed
 together in interleaved rounds; the fastest by the back-to-back figure wins. Fused candidates
 are not bit-reproducible; a call under reproducible=True skips a fused entry (`default_for`).
@@ -47,7 +47,8 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
                              GRID["num_stages"])
     for fused, bq, bqdq, bkvdq, stages in grid:
         # the fused kernel has no dQ kernel: its dQ steps are not varied
-        extra = [dict(fused_dq=True), dict(fused_dq=True, stagger_q=True)] if fused else [
+        extra = [dict(fused_dq=True, stagger_q=stagger, dq_columns=columns)
+                 for columns in (False, True) for stagger in (False, True)] if fused else [
             dict(block_q_dq=bqdq, block_kv_dq=bkvdq)]
         for fields in extra:
             try:
