@@ -131,7 +131,7 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, stagger_q=True)),
     Case("gpu_fused_dq_columns_d128_window_br_cap", T=1000, S=1100, N=4, K=2, Dqk=128, Dv=128,
          window=(256, 0), bottom_right=True, cap=2.0, softmax="learnable",
-         blocks=BBS(block_q=128, num_stages=1, fused_dq=True, dq_columns=True)),
+         blocks=BBS(num_stages=1, fused_dq=True, dq_columns=True)),
     Case("gpu_fused_dq_columns_mla_128_64_f16", T=512, S=512, N=4, K=1, Dqk=128, Dv=64,
          window=(-1, 0), dtype="float16", blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True)),
 ]

@@ -421,3 +421,20 @@ def test_short_gpu_run_fp8_within_two_percent_of_bf16(layers, corpus):
     if FP8:
         check = report.compare(curves)
         assert check["passed"], report.check_text(check)
+
+
+def test_byte_embed_matches_a_gather_and_its_gradient():
+    """ByteEmbed's one-hot GEMM gives nn.Embed's values and (to f32 rounding) its gradient."""
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (3, 50)), jnp.int32)
+    table = jax.random.normal(jax.random.key(1), (256, 24), jnp.float32)
+    w = jax.random.normal(jax.random.key(2), (3, 50, 24), jnp.float32)
+    kw = dict(num_embeddings=256, features=24, dtype=jnp.float32, param_dtype=jnp.float32)
+
+    def loss(module, table):
+        return jnp.sum(module.apply({"params": {"embedding": table}}, tokens) * w)
+
+    got = jax.value_and_grad(lambda t: loss(gpt.ByteEmbed(**kw), t))(table)
+    want = jax.value_and_grad(lambda t: loss(nn.Embed(**kw), t))(table)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(want[1])).max() > 1.0  # repeated tokens: summed rows

@@ -94,6 +94,18 @@ class GPTConfig:
         return dict(dataclasses.asdict(self), num_heads=self.num_heads, mlp_width=self.mlp_width)
 
 
+class ByteEmbed(nn.Embed):
+    """`nn.Embed` (same parameter, same `attend`) whose lookup is a one-hot GEMM: the same
+    values (one nonzero term per output element), but its gradient is the GEMM onehotᵀ dx
+    where the gather's is a scatter-add of every token into 256 rows, which a GPU serialises
+    on the repeated rows (46 ms of a 70 ms training step on the H200, probe_train.py,
+    2026-12-02)."""
+
+    def __call__(self, inputs):
+        table = self.embedding.astype(self.dtype)
+        return jax.nn.one_hot(inputs, self.num_embeddings, dtype=self.dtype) @ table
+
+
 class GPT(nn.Module):
     """Decoder-only byte-level GPT (see the module docstring).
 
@@ -117,8 +129,8 @@ class GPT(nn.Module):
         if tokens.shape[1] > c.seq:
             raise ValueError(f"tokens are {tokens.shape[1]} long; config.seq={c.seq} is the longest")
         init = nn.initializers.normal(stddev=0.02)
-        embed = nn.Embed(VOCAB, c.hidden, embedding_init=init, dtype=jnp.bfloat16,
-                         param_dtype=jnp.float32, name="embed")
+        embed = ByteEmbed(VOCAB, c.hidden, embedding_init=init, dtype=jnp.bfloat16,
+                          param_dtype=jnp.float32, name="embed")
         x = embed(tokens)  # bf16 [B, T, H]
         if c.positions == "learned":
             where = nn.Embed(c.seq, c.hidden, embedding_init=init, dtype=jnp.bfloat16,
