@@ -118,10 +118,26 @@ def test_tiny_interpret_backward_run_writes_backward_entries(tmp_path):
     (row,) = data["shapes"][0]["rows"]
     assert data["meta"]["kernel"] == "backward" and row["status"] == "ok" and row["error"] < tune.TOLERANCE, row
     written = json.loads(table.read_text())
-    # the tiny shape's key (d64 causal) is causal_8k_h32_d64's: that entry takes the result
-    (entry,) = [e for e in written["backward_entries"]
-                if e["key"] == {"qk_dim": 64, "v_dim": 64, "mask": "causal"}]
+    # the tiny shape's key (d64 causal, its group size, the dtypes) is no entry's yet: appended
+    (entry,) = [e for e in written["backward_entries"] if e["key"] == data["shapes"][0]["key"]]
     assert entry["tuned"] and entry["source"].startswith("flashmesh tune --backward")
-    assert len(written["backward_entries"]) == len(common.load_table()["backward_entries"])
+    assert entry["key"]["group"] == tune.spec_of(tune.TINY).group_size
+    assert len(written["backward_entries"]) == len(common.load_table()["backward_entries"]) + 1
     assert written["entries"] == json.loads(common.CONFIGS_PATH.read_text())["entries"]  # forward untouched
     common.load_table.cache_clear()
+
+
+def test_backward_entries_of_shapes_differing_in_group_stay_apart():
+    """causal_8k_h32_d128 and gqa_causal_16k (group 8) share head dims and mask: each keeps its
+    own entry (2026-12-02 the second overwrote the first's)."""
+    from flashmesh.bench import tune_backward
+
+    table = {"backward_entries": []}
+    results = [dict(shape=name, key=tune_backward.table_key(tune.spec_of(ANCHORS[name])), rows=[{}],
+                    best=best, best_ms_back_to_back=1.0, default_ms_back_to_back=1.0)
+               for name, best in (("causal_8k_h32_d128", {"block_kv_dq": 128}), ("gqa_causal_16k", {}))]
+    tune_backward.write_entries(table, results, dict(date="2026-12-02", device="NVIDIA H200", commit="abc"))
+    by_anchor = {e["anchor"]: e for e in table["backward_entries"]}
+    assert set(by_anchor) == {"causal_8k_h32_d128", "gqa_causal_16k"}
+    assert by_anchor["causal_8k_h32_d128"]["config"] == {"block_kv_dq": 128}
+    assert by_anchor["gqa_causal_16k"]["key"]["group"] == 8 and by_anchor["gqa_causal_16k"]["config"] == {}

@@ -144,7 +144,7 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
         entry.update(tuned=True, config=config, source=(
             f"flashmesh tune {meta['date']} on {meta['device']} (commit {meta['commit']}): "
             f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates"))
-    path.write_text(json.dumps(table, indent=2) + "\n")
+    path.write_text(json.dumps(table, indent=2, ensure_ascii=False) + "\n")
     common.load_table.cache_clear()
     common.load_table(str(path))  # the written table must load (valid configs, unique keys)
 

@@ -97,11 +97,12 @@ def tune_shape(shape, spec, config: runner.RunConfig, *, interpret: bool, limit:
 
 
 def table_key(spec) -> dict:
-    """The backward table key of a call: head dims and mask kind (`default_for` matches it like
-    the forward's keys)."""
-    from flashmesh.attention import pallas_mosaic_gpu_common as common
+    """The backward table key of a call: the forward's (`tune.table_key`: head dims, mask kind,
+    group size, dtypes, a window's width bound), so that two tuned shapes differing only in
+    their GQA group (causal_8k_h32_d128 and gqa_causal_16k) keep an entry each."""
+    from flashmesh.bench import tune
 
-    return dict(qk_dim=spec.qk_dim, v_dim=spec.v_dim, mask=common.mask_kind(spec))
+    return tune.table_key(spec)
 
 
 def write_entries(table: dict, results: list[dict], meta: dict) -> None:
@@ -112,7 +113,7 @@ def write_entries(table: dict, results: list[dict], meta: dict) -> None:
         if res["best"] is None:
             continue
         entry = tune_measure.table_entry(entries, res["shape"], res["key"])
-        entry.update(tuned=True, config=res["best"], source=(
+        entry.update(key=res["key"], tuned=True, config=res["best"], source=(
             f"flashmesh tune --backward {meta['date']} on {meta['device']} (commit {meta['commit']}): "
             f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates "
             f"(today's config: {res['default_ms_back_to_back'] or float('nan'):.4f})"))
