@@ -2,11 +2,13 @@
 `flashmesh train`'s model at its default size (or `--small`), built by the loop's own
 functions (`train.loop.make_train_step`), per precision: compile time, the time per step of 20
 steps back to back and of synchronised steps, then 5 steps traced with jax.profiler and where
-their GPU time goes (`trace_table.profile_table`). `--only bf16` / `--only fp8` runs one.
+their GPU time goes (`trace_table.profile_table`). `--only bf16` / `--only fp8` runs one;
+`--hlo DIR` writes each compiled step's HLO text (gzipped) into DIR.
 
 2026-12-02: the H200 ran `flashmesh train`'s bf16 steps at about 110 ms each, far more than
 their ~6 TFLOP of GEMMs need; this probe is there to say where the time goes.
 """
+import gzip
 import sys
 import tempfile
 import time
@@ -38,6 +40,9 @@ def run(precision: str, corpus) -> None:
         step = jax.jit(loop.make_train_step(model, tx, fp8), donate_argnums=(0, 1)).lower(
             variables, opt_state, x, y, jax.random.key(1)).compile()
         print(f"{precision}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+        if _option("--hlo"):  # the compiled step, gzipped
+            with gzip.open(f"{_option('--hlo')}/train_step_{precision}.hlo.txt.gz", "wt") as out:
+                out.write(step.as_text())
         batches = [data.sample_batch(corpus.train, rng, config.batch, model_config.seq) for _ in range(5)]
 
         def steps(n, sync):
