@@ -64,6 +64,23 @@ def test_automatic_choice_takes_head_dim_64_with_the_fused_backward():
         assert not pallas_mosaic_gpu.config(_spec(mask=mask, D=128), "NVIDIA H200")[1].fused_dq
 
 
+def test_automatic_choice_takes_packed_documents_in_self_attention():
+    # packed_16docs_64k (16 causal documents of 4096 tokens, GQA 32:8, d128): 0.96x / 0.89x of
+    # cuDNN's time fwd / fwd+bwd and a ninth of its memory on the H200
+    # (benchmarks/results/2026-12-02-nvidia-h200-anchors-3).
+    from flashmesh import SequenceDescriptor
+
+    q = jnp.zeros((2, 128, 4, 128), jnp.bfloat16)
+    ids = jnp.asarray([[1] * 50 + [2] * 60 + [0] * 18, [1] * 128], jnp.int32)
+    packed = normalize(q, q, q, mask="causal",
+                       segments=SequenceDescriptor.from_segment_ids_and_pos(ids, max_segments=2))[1]
+    assert packed.segments == "packed"
+    assert pallas_mosaic_gpu.automatic_reason(packed, "gpu", "NVIDIA H200") is None
+    # cross-attention with packed ids is not the measured kind (what happens to it depends on
+    # cuDNN's own refusals, which need a GPU: test_gpu_automatic_choice)
+    assert packed.q_len == packed.kv_len
+
+
 def test_automatic_choice_takes_the_measured_window_shape():
     # seed000_gqa_swa (B2 T4096 128:8 d128, window (128, 0)): measured 1.43x cuDNN fwd+bwd on the
     # H200 (benchmarks/results/2026-12-01-nvidia-h200-anchors) with the window kernel.
@@ -117,6 +134,13 @@ def test_gpu_automatic_choice():
     v = d64[..., :32]
     assert flashmesh.explain(d64, d64, v, mask="causal").chosen == "cudnn"
     assert flashmesh.explain(d64, d64, d64, mask="causal", window=(1024, 0)).chosen == "cudnn"
+    # packed documents (d128 here): the kernels, equal to the named call
+    ids = jnp.asarray([[1] * 100 + [2] * 120 + [0] * 36, [1] * 30 + [2] * 226], jnp.int32)
+    segments = flashmesh.SequenceDescriptor.from_segment_ids_and_pos(ids, max_segments=2)
+    assert flashmesh.explain(q, q, q, mask="causal", segments=segments).chosen == "pallas_mosaic_gpu"
+    np.testing.assert_array_equal(
+        flashmesh.attention(q, q, q, mask="causal", segments=segments),
+        flashmesh.attention(q, q, q, mask="causal", segments=segments, implementation="pallas_mosaic_gpu"))
 
 
 def _rel(a, b):
