@@ -376,3 +376,33 @@ def test_kernel_is_quantised_once_and_its_forward_copy_is_an_fp8_transpose():
     wq = (w * 4.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     np.testing.assert_allclose(dense(x, w, state, R).astype(jnp.float32), (xq @ wq / 16.0).astype(jnp.bfloat16).astype(jnp.float32),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_mlp_stores_the_activation_and_its_input_cotangent_in_their_dtype():
+    """Under FP8 the activation's output (forward) and its input's cotangent (backward) pass an
+    optimization barrier in bf16, so XLA stores them in bf16 rather than the activation's float32
+    (the H200's FP8 train step wrote both as float32 [B, T, F] arrays); outside FP8 none."""
+    x = _x((2, 8, 64)).astype(jnp.bfloat16)
+    module = LayerNormMLP(intermediate_dim=96, dtype=jnp.bfloat16)
+
+    def barriers(fp8):
+        with te.autocast(enabled=fp8, recipe=R):
+            variables = module.init(jax.random.key(1), x, deterministic=True)
+            loss = lambda v, x: jnp.sum(module.apply(v, x, deterministic=True)[0].astype(jnp.float32))  # noqa: E731
+            jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(variables, x)
+        return [line.split("=")[0].split(":")[1].strip() for line in str(jaxpr).splitlines()
+                if "optimization_barrier" in line and "bf16" in line.split("=")[0]]
+
+    # the activation's output [B, T, F], then (backward) its input's cotangent [B, T, 1, F]
+    assert barriers(True) == ["bf16[2,8,96]", "bf16[2,8,1,96]"]
+    assert barriers(False) == []
+
+
+def test_stored_forward_and_backward_are_identities():
+    from flashmesh.nn import mlp
+
+    x = _x((3, 5))
+    for f in (mlp._stored_forward, mlp._stored_backward):
+        y, vjp = jax.vjp(f, x)
+        np.testing.assert_array_equal(y, x)
+        np.testing.assert_array_equal(vjp(2.0 * x)[0], 2.0 * x)

@@ -84,6 +84,25 @@ def _activation_rematerialised(x: jax.Array, names: tuple[str, ...]) -> jax.Arra
     return y.astype(x.dtype)
 
 
+@jax.custom_vjp
+def _stored_forward(x: jax.Array) -> jax.Array:
+    """x, stored in its own dtype (an optimization barrier) in the forward; the cotangent
+    passes through untouched."""
+    return jax.lax.optimization_barrier(x)
+
+
+_stored_forward.defvjp(lambda x: (jax.lax.optimization_barrier(x), None), lambda _, g: (g,))
+
+
+@jax.custom_vjp
+def _stored_backward(x: jax.Array) -> jax.Array:
+    """x; its cotangent stored in its own dtype (an optimization barrier) in the backward."""
+    return x
+
+
+_stored_backward.defvjp(lambda x: (x, None), lambda _, g: (jax.lax.optimization_barrier(g),))
+
+
 class LayerNormMLP(nn.Module):
     """LayerNorm, then a two-GEMM MLP with (gated) activation (TransformerEngine's `LayerNormMLP`).
 
@@ -167,7 +186,16 @@ class LayerNormMLP(nn.Module):
         wi_bias = self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1) if self.use_bias else None
         h = dense_general(x, wi, 1, recipe, state, wi_bias)            # [..., n, F]
         h = checkpoint_name(h, self.ffn1_ckpt_name)
+        fp8 = recipe is not None
+        # Under FP8 the activation's float32 arithmetic met the FP8 GEMMs' amax-and-quantise
+        # fusions, which XLA did not merge with it (GELU's tanh): it stored the activation's
+        # output, and in the backward its input's cotangent, as float32 [..., F] arrays
+        # (loop_multiply_fusion / loop_add_fusion in
+        # benchmarks/results/2026-12-02-nvidia-h200-bwd-columns/train_step_fp8.hlo.txt.gz).
+        # Both are stored in the activations' dtype instead: half the bytes written and read.
+        h = _stored_backward(h) if fp8 else h
         a = activation(h, names, act_params=self.activation_params)   # [..., F]
+        a = _stored_forward(a) if fp8 else a
         a = nn.Dropout(rate=self.intermediate_dropout_rate,
                        broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                        rng_collection=self.intermediate_dropout_rng_name)(a, deterministic=deterministic)
