@@ -1,8 +1,8 @@
 """Diagnosis only (numbers are claimed from `flashmesh train`'s report): one training step of
 `flashmesh train`'s model at its default size (or `--small`), built by the loop's own
 functions (`train.loop.make_train_step`), per precision: compile time, the time per step of 20
-steps back to back and of synchronised steps, then 5 steps traced with jax.profiler and where
-their GPU time goes (`trace_table.profile_table`). `--only bf16` / `--only fp8` runs one;
+steps back to back and of synchronised steps, then (`--profile DIR`) 5 steps traced with
+jax.profiler into DIR and where their GPU time goes (`trace_table.profile_table`). `--only bf16` / `--only fp8` runs one;
 `--hlo DIR` writes each compiled step's HLO text (gzipped) into DIR.
 
 2026-12-02: the H200 ran `flashmesh train`'s bf16 steps at about 110 ms each, far more than

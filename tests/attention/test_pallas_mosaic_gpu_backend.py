@@ -76,9 +76,24 @@ def test_automatic_choice_takes_packed_documents_in_self_attention():
                        segments=SequenceDescriptor.from_segment_ids_and_pos(ids, max_segments=2))[1]
     assert packed.segments == "packed"
     assert pallas_mosaic_gpu.automatic_reason(packed, "gpu", "NVIDIA H200") is None
-    # cross-attention with packed ids is not the measured kind (what happens to it depends on
-    # cuDNN's own refusals, which need a GPU: test_gpu_automatic_choice)
-    assert packed.q_len == packed.kv_len
+
+
+def test_automatic_choice_leaves_cross_attention_and_unpacked_d128_to_cudnn(monkeypatch):
+    # where cuDNN would run the call (patched: off a GPU it refuses everything), packed ids on
+    # cross-attention and plain causal d128 stay with it
+    from flashmesh import SequenceDescriptor
+    from flashmesh.attention import cudnn
+
+    monkeypatch.setattr(cudnn, "unsupported_reason", lambda *a, **k: None)
+    q, kv = jnp.zeros((1, 128, 4, 128), jnp.bfloat16), jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    ids = jnp.asarray([[1] * 60 + [2] * 68], jnp.int32)
+    kv_ids = jnp.asarray([[1] * 100 + [2] * 156], jnp.int32)
+    cross = normalize(q, kv, kv, segments=SequenceDescriptor.from_segment_ids_and_pos(
+        (ids, kv_ids), max_segments=2))[1]
+    assert cross.segments == "packed" and cross.q_len != cross.kv_len
+    assert "cuDNN runs this call" in pallas_mosaic_gpu.automatic_reason(cross, "gpu", "NVIDIA H200")
+    causal = _spec(mask="causal", D=128)
+    assert "cuDNN runs this call" in pallas_mosaic_gpu.automatic_reason(causal, "gpu", "NVIDIA H200")
 
 
 def test_automatic_choice_takes_the_measured_window_shape():

@@ -141,7 +141,7 @@ GPU_CASES = [
     # the fused backward (BackwardBlockSizes.fused_dq; not yet compiled on a GPU, 2026-12-02)
     Case("gpu_fused_dq_d128_causal_gqa", T=1024, S=1024, N=8, K=2, D=128, options=(("mask", "causal"),),
          blocks=(TWO_WG, dataclasses.replace(TWO_WG_BWD, fused_dq=True))),
-    # dQ by columns (BackwardBlockSizes.dq_columns; not yet compiled on a GPU, 2026-12-02)
+    # dQ by columns (BackwardBlockSizes.dq_columns; passed on the H200 at 55bed4f)
     Case("gpu_fused_dq_columns_d128_causal_gqa", T=1024, S=1024, N=8, K=2, D=128,
          options=(("mask", "causal"),),
          blocks=(TWO_WG, dataclasses.replace(TWO_WG_BWD, fused_dq=True, dq_columns=True))),

@@ -141,3 +141,22 @@ def test_backward_entries_of_shapes_differing_in_group_stay_apart():
     assert set(by_anchor) == {"causal_8k_h32_d128", "gqa_causal_16k"}
     assert by_anchor["causal_8k_h32_d128"]["config"] == {"block_kv_dq": 128}
     assert by_anchor["gqa_causal_16k"]["key"]["group"] == 8 and by_anchor["gqa_causal_16k"]["config"] == {}
+
+
+def test_backward_write_keeps_hand_written_keys_and_skips_a_shared_key():
+    """codelab_small's entry keeps its max_len; codelab_te_2048 (d64 causal, group 1) shares its
+    key with causal_8k_h32_d64 in one run: warned about and not written (it would shadow it)."""
+    from flashmesh.bench import tune_backward
+
+    table = json.loads(common.CONFIGS_PATH.read_text(encoding="utf-8"))
+    before = {e.get("anchor"): e["key"] for e in table["backward_entries"]}
+    results = [dict(shape=name, key=tune_backward.table_key(tune.spec_of(ANCHORS[name])), rows=[{}],
+                    best={"num_stages": 3}, best_ms_back_to_back=1.0, default_ms_back_to_back=1.0)
+               for name in ("codelab_small", "causal_8k_h32_d64", "codelab_te_2048")]
+    with pytest.warns(UserWarning, match="codelab_te_2048 has the table key of causal_8k_h32_d64"):
+        tune_backward.write_entries(table, results, dict(date="d", device="H200", commit="abc"))
+    after = {e.get("anchor"): e for e in table["backward_entries"]}
+    assert after["codelab_small"]["key"] == before["codelab_small"] and "max_len" in before["codelab_small"]
+    assert after["causal_8k_h32_d64"]["key"] == before["causal_8k_h32_d64"]
+    assert after["causal_8k_h32_d64"]["config"] == {"num_stages": 3}
+    assert "codelab_te_2048" not in after

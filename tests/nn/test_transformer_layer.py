@@ -273,3 +273,26 @@ def test_compute_follows_the_inputs_dtype():
     cache = jax.eval_shape(lambda k: layer.init(k, x, enc, deterministic=True, decode=True),
                            jax.random.key(0))["cache"]["self_attention"]
     assert cache["cached_key"].dtype == jnp.bfloat16
+
+
+def test_reproducible_reaches_every_attention_call(monkeypatch):
+    """TransformerLayer(reproducible=True) (a flashmesh field, not TE's) passes it to both of a
+    decoder's attention calls, and the output equals the default's (on a CPU the same
+    implementation runs either way)."""
+    from flashmesh.attention import api
+    from flashmesh.te import attention as te_attention
+
+    seen, attention = [], api.attention
+
+    def recording(*args, **options):
+        seen.append(options.get("reproducible"))
+        return attention(*args, **options)
+
+    monkeypatch.setattr(te_attention.api, "attention", recording)
+    x, enc = _x(1), _x(2, S)
+    layer = _layer(layer_type=DECODER, reproducible=True)
+    variables = layer.init(jax.random.key(0), x, enc, deterministic=True)
+    seen.clear()
+    out = layer.apply(variables, x, enc, deterministic=True)
+    assert seen == [True, True]
+    np.testing.assert_array_equal(out, _layer(layer_type=DECODER).apply(variables, x, enc, deterministic=True))

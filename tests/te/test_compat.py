@@ -499,3 +499,22 @@ def test_module_padding_mask_with_descriptor_and_deprecated_mask_name():
     want = flashmesh.attention(q, k, v, mask="padding_causal", segments=desc)
     _close(module.apply({}, q, k, v, desc), want)
     _close(module.apply({}, q, k, v, mask=desc), want)
+
+
+def test_te_dot_product_attention_passes_reproducible(monkeypatch):
+    """te.flax.DotProductAttention(reproducible=True), a flashmesh field: the call gets it."""
+    import flashmesh.te.flax as te_flax
+    from flashmesh.te import attention as te_attention
+
+    seen, attention = [], te_attention.api.attention
+
+    def recording(*args, **options):
+        seen.append(options.get("reproducible"))
+        return attention(*args, **options)
+
+    monkeypatch.setattr(te_attention.api, "attention", recording)
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(2, 16, 4, 8)), jnp.float32)
+    for flag in (True, False):
+        module = te_flax.DotProductAttention(head_dim=8, num_attention_heads=4, reproducible=flag)
+        module.apply({}, q, q, q, deterministic=True)
+    assert seen == [True, False]

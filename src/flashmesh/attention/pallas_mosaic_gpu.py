@@ -94,7 +94,9 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     benchmarks/results/2026-12-02-nvidia-h200-anchors-2), packed documents in self-attention
     (16 causal documents of 4096 tokens in one 64k row, GQA 32:8, d128: 0.96x cuDNN's time fwd
     and 0.89x fwd+bwd, with 3.3 GiB where cuDNN's fwd+bwd took 36.5,
-    benchmarks/results/2026-12-02-nvidia-h200-anchors-3), and whatever cuDNN refuses. Passed
+    benchmarks/results/2026-12-02-nvidia-h200-anchors-3; one shape measured: the rule takes
+    every packed self-attention call, resting on that memory gap as much as on the time), and
+    whatever cuDNN refuses. Passed
     over: calls of the kinds cuDNN measured faster or about as fast on (d128 full, causal,
     wider windows, MLA where its version runs it), and what has not been checked on a GPU yet: context-parallel steps, and
     q of 2^30 elements or more (only the forward was checked there). device_kind: jax's, for
@@ -176,7 +178,8 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
     passes = " in two passes (dK, then dV)" if back.split_dkv else ""
     if back.fused_dq:
         backward = (f"backward one fused kernel {back.block_q}x{back.block_kv} (dK/dV, and dQ by TMA "
-                    f"reduce-add{', staggered' if back.stagger_q else ''}; not bit-reproducible)")
+                    f"reduce-add{', staggered' if back.stagger_q else ''}"
+                    f"{', split by columns' if back.dq_columns else ''}; not bit-reproducible)")
     else:
         backward = (f"backward dK/dV {back.block_q}x{back.block_kv}{passes}, dQ "
                     f"{back.block_q_dq}x{back.block_kv_dq}")

@@ -505,7 +505,7 @@ def load_table(path: str = str(CONFIGS_PATH)) -> dict:
     each config valid and no two keys of a list equal."""
     from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes
 
-    table = json.loads(pathlib.Path(path).read_text())
+    table = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     for name, check in (("entries", forward_config), ("backward_entries", lambda c: BackwardBlockSizes(**c))):
         seen = set()
         for i, entry in enumerate(table.get(name, ())):

@@ -485,7 +485,6 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.barrier_wait(hash_ready.at[wg])
             row_hash = plgpu.load(hash_smem.at[wg], layout=ROW)
         accumulate = _mma_from_smem if interpret else _mma_from_registers
-        dq_width = spec.qk_dim // W if bs.dq_columns else spec.qk_dim  # the partial dQ's columns
         staging = None if ds_smem is None else (ds_smem.at[wg],)
         kv_tail = spec.kv_len % bkv != 0
 

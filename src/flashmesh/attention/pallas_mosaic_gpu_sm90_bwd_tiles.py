@@ -54,9 +54,11 @@ class BackwardBlockSizes:
       (FA3's layout): after a barrier between the warpgroups, each computes dS K for its
       qk_dim / 2 columns over all block_kv keys (both warpgroups' dSᵀ, double-buffered in
       SMEM) and reduce-adds that; the default (False) has each warpgroup compute every column
-      over its own keys. Half the partial dQ's registers and one [block_q, qk_dim] reduce-add
-      per step instead of two, for one barrier per step; needs qk_dim a multiple of 2 x the
-      swizzle width (128 for 16-bit inputs).
+      over its own keys. Half the partial dQ's registers, and each step's two reduce-adds
+      (one per warpgroup) half as wide, for one barrier per step; needs qk_dim a multiple of
+      2 x the swizzle width (128 for 16-bit inputs). On the H200 it made the fused kernel
+      1.07-1.42x faster at d128 but left it 5-33% slower than the two-kernel backward
+      (benchmarks/results/2026-12-02-nvidia-h200-tune), so no table entry uses it.
     """
 
     block_q: int = 64

@@ -127,7 +127,7 @@ def _inputs(q, k, v):
 def write_table(path: Path, results: list[dict], meta: dict) -> None:
     """Each shape's best config into its entry (by anchor name, else key; new entries appended):
     forward results into "entries", backward ones (`tune_backward`) into "backward_entries"."""
-    table = json.loads(path.read_text())
+    table = json.loads(path.read_text(encoding="utf-8"))
     entries = table["entries"]
     tune_backward.write_entries(table, [r for r in results if r.get("kernel") == "backward"], meta)
     for res in results:
@@ -144,7 +144,7 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
         entry.update(tuned=True, config=config, source=(
             f"flashmesh tune {meta['date']} on {meta['device']} (commit {meta['commit']}): "
             f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates"))
-    path.write_text(json.dumps(table, indent=2, ensure_ascii=False) + "\n")
+    path.write_text(json.dumps(table, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     common.load_table.cache_clear()
     common.load_table(str(path))  # the written table must load (valid configs, unique keys)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -107,13 +109,22 @@ def table_key(spec) -> dict:
 
 def write_entries(table: dict, results: list[dict], meta: dict) -> None:
     """Each shape's best backward config into `table["backward_entries"]` (by anchor name, else
-    key; new entries appended)."""
+    key; new entries appended with the result's key; an existing entry keeps its own). A result
+    whose key another shape of the same run already wrote is skipped with a warning."""
     entries = table.setdefault("backward_entries", [])
+    written = {}  # key (as json) -> the shape of this run that wrote it
     for res in results:
         if res["best"] is None:
             continue
+        key_text = json.dumps(res["key"], sort_keys=True)
+        if key_text in written:  # one key, two shapes: the later would shadow the earlier's
+            warnings.warn(f"tune --backward: {res['shape']} has the table key of {written[key_text]} "
+                          f"({res['key']}); its result is not written", stacklevel=2)
+            continue
+        written[key_text] = res["shape"]
+        # an existing entry keeps its key (a hand-written one may be narrower, e.g. max_len)
         entry = tune_measure.table_entry(entries, res["shape"], res["key"])
-        entry.update(key=res["key"], tuned=True, config=res["best"], source=(
+        entry.update(tuned=True, config=res["best"], source=(
             f"flashmesh tune --backward {meta['date']} on {meta['device']} (commit {meta['commit']}): "
             f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates "
             f"(today's config: {res['default_ms_back_to_back'] or float('nan'):.4f})"))

@@ -166,6 +166,8 @@ class MultiHeadAttention(nn.Module):
       window_size: (left, right) sliding window, -1 unbounded; None = none.
       softmax_type: 'vanilla', 'off_by_one' or 'learnable'.
       score_mod, score_mod_bprop: not supported (NotImplementedError).
+      reproducible: flashmesh's, not TE's: bit-identical outputs and gradients run to run
+        (`flashmesh.attention(reproducible=True)`).
 
     Call: `(inputs_q, inputs_kv, mask=None, bias=None, *, decode=False, deterministic=False,
     positions=None) -> (out [B, T, E], ln_out or None)`; `inputs_kv is inputs_q` means
@@ -209,6 +211,7 @@ class MultiHeadAttention(nn.Module):
     softmax_type: str = "vanilla"
     score_mod: Callable | None = None
     score_mod_bprop: Callable | None = None
+    reproducible: bool = False
 
     # -- projections ---------------------------------------------------------------------------
     def _init(self) -> Callable:
@@ -341,7 +344,8 @@ class MultiHeadAttention(nn.Module):
             attn_bias_type=bias_type, attn_mask_type=mask_type,
             qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD, softmax_type=softmax, scaling_factor=scale,
             dropout_probability=self.attention_dropout, is_training=not deterministic,
-            window_size=self.window_size, softmax_offset=offset, module=self)
+            window_size=self.window_size, softmax_offset=offset, module=self,
+            reproducible=self.reproducible)
 
     @nn.compact
     def __call__(self, inputs_q: Float[Array, "B T E"], inputs_kv: Float[Array, "B S E2"],

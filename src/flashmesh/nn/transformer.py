@@ -76,6 +76,8 @@ class TransformerLayer(nn.Module):
       enable_sequence_parallel (False; True raises NotImplementedError), scale_attn_logits
       (False), scaled_query_init (True), window_size (None), softmax_type ('vanilla'),
       score_mod, score_mod_bprop (None; anything else raises NotImplementedError).
+      reproducible: flashmesh's, not TE's: both attentions bit-identical run to run
+        (`flashmesh.attention(reproducible=True)`).
 
     Call: `(inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None,
     deterministic=False, decode=False, max_decode_length=None)` -> [B, T, E] in the inputs'
@@ -134,6 +136,7 @@ class TransformerLayer(nn.Module):
     softmax_type: str = "vanilla"
     score_mod: Callable | None = None
     score_mod_bprop: Callable | None = None
+    reproducible: bool = False
 
     def _check(self, inputs, encoded, decode: bool) -> None:
         if not isinstance(self.layer_type, TransformerLayerType):
@@ -180,7 +183,7 @@ class TransformerLayer(nn.Module):
             scale_attn_logits=self.scale_attn_logits, scaled_query_init=self.scaled_query_init,
             float32_logits=self.float32_attention_logits, window_size=self.window_size,
             softmax_type=self.softmax_type, score_mod=self.score_mod,
-            score_mod_bprop=self.score_mod_bprop, name=name)
+            score_mod_bprop=self.score_mod_bprop, reproducible=self.reproducible, name=name)
 
     def _relative_bias(self, inputs, decode: bool, max_decode_length):
         if not self.enable_relative_embedding:

@@ -214,12 +214,14 @@ def check_no_score_mod(**score_mod_args) -> None:
 
 def call_native(qkv, bias, sequence_descriptor, seed, *, sequence_major=False,
                 context_checkpoint_name="context",
-                context_parallel: ContextParallel | None = None, module=None, **kwargs) -> jax.Array:
+                context_parallel: ContextParallel | None = None, module=None,
+                reproducible: bool = False, **kwargs) -> jax.Array:
     """`native_arguments` then one native call: `flashmesh.attention`, or
     `flashmesh.context_parallel_attention` with `context_parallel`'s arguments when given.
     fused_attn without its unsupported-argument checks (the Flax module makes those itself).
     `module`: the calling Flax module, which holds the FP8 attention state when an autocast
     recipe asks for FP8 attention (`fp8_dpa`; flashmesh.quantization.attention).
+    `reproducible`: flashmesh.attention's (bit-identical results run to run; not a TE option).
     """
     if context_parallel is not None and sequence_major:
         # The context-parallel call shards the sequence axis of batch-major arrays;
@@ -228,6 +230,7 @@ def call_native(qkv, bias, sequence_descriptor, seed, *, sequence_major=False,
     arrays, options = native_arguments(
         qkv, bias, sequence_descriptor, seed,
         sequence_major=sequence_major and context_parallel is None, **kwargs)
+    options["reproducible"] = reproducible
     if context_parallel is None:
         out = None if module is None else attend_under_autocast(module, arrays, options)
         if out is None:

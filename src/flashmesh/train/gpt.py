@@ -95,8 +95,9 @@ class GPTConfig:
 
 
 class ByteEmbed(nn.Embed):
-    """`nn.Embed` (same parameter, same `attend`) whose lookup is a one-hot GEMM: the same
-    values (one nonzero term per output element), but its gradient is the GEMM onehotᵀ dx
+    """`nn.Embed` (same parameter, same `attend`) whose lookup is a one-hot GEMM: for 16-bit
+    dtypes (the GPT's bf16) the same values (one nonzero term per output element; a float32
+    GEMM at a GPU's default precision may round the table to TF32), but its gradient is the GEMM onehotᵀ dx
     where the gather's is a scatter-add of every token into 256 rows, which a GPU serialises
     on the repeated rows (46 ms of a 70 ms training step on the H200, probe_train.py,
     2026-12-02)."""

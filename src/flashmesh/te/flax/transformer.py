@@ -63,6 +63,8 @@ class DotProductAttention(nn.Module):
       softmax_type: 'vanilla', 'off_by_one' or 'learnable' (creates the float32 parameter
         "softmax_offset" [1, N, 1, 1], initialised to 0, which gets a gradient).
       score_mod, score_mod_bprop: not supported (NotImplementedError).
+      reproducible: flashmesh's, not TE's: bit-identical outputs and gradients run to run
+        (`flashmesh.attention(reproducible=True)`).
 
     Call: `module(query, key, value, sequence_descriptor=None, bias=None, *, deterministic=False)`
     returns [b, s, N, Dv] (or [s, b, N, Dv]) in the query dtype; padding mask types and THD
@@ -90,6 +92,7 @@ class DotProductAttention(nn.Module):
     softmax_type: Any = "vanilla"
     score_mod: Callable | None = None
     score_mod_bprop: Callable | None = None
+    reproducible: bool = False
 
     def _check_shapes(self, layout: QKVLayout, query, key) -> None:
         N, K, Dqk = _heads(layout, query, key)
@@ -150,4 +153,4 @@ class DotProductAttention(nn.Module):
             scaling_factor=scale, dropout_probability=self.attention_dropout,
             is_training=not deterministic, max_segments_per_seq=self.max_segments_per_seq,
             window_size=self.window_size, softmax_offset=softmax_offset, context_parallel=cp,
-            module=self)
+            module=self, reproducible=self.reproducible)
