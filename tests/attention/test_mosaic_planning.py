@@ -377,12 +377,13 @@ def test_backward_entries_validate_and_are_reachable(tmp_path):
 
     entries = mg.load_table()["backward_entries"]
     assert len(entries) >= 4 and all(e["tuned"] for e in entries)
-    for entry in entries:
+    for entry in entries:  # a call of each key's kind (its group, a window within its bound)
         key = entry["key"]
-        window = {"none": (-1, -1), "causal": (-1, 0)}[key["mask"]]
+        window = {"none": (-1, -1), "causal": (-1, 0),
+                  "window": (key.get("max_window", 256) // 2 - 1, 0)}[key["mask"]]
         L = key.get("max_len", 4096)
-        spec = make_spec(L, L, window, N=8, K=8, Dqk=key["qk_dim"], Dv=key["v_dim"])
-        assert bwd_tiles.measured_entry(spec) is entry
+        spec = make_spec(L, L, window, N=8 * key.get("group", 1), K=8, Dqk=key["qk_dim"], Dv=key["v_dim"])
+        assert bwd_tiles.measured_entry(spec) is entry, entry["anchor"]
         assert bwd_tiles.default_for(spec) == bwd_tiles.BackwardBlockSizes(**entry["config"])
     assert bwd_tiles.measured_entry(make_spec(4096, 4096, (128, 0), Dqk=64)) is None  # windows
     assert bwd_tiles.measured_entry(make_spec(4096, 4096, Dqk=64)) is None  # full d64: only 128 timed
@@ -394,7 +395,7 @@ def test_backward_entries_validate_and_are_reachable(tmp_path):
         mg.load_table(str(bad))
     raw["backward_entries"][-1]["config"] = raw["backward_entries"][0]["config"]
     bad.write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=r"backward_entries\[4\] repeats the key"):
+    with pytest.raises(ValueError, match=rf"backward_entries\[{len(entries)}\] repeats the key"):
         mg.load_table(str(bad))
 
 
