@@ -133,7 +133,7 @@ def test_backward_entries_of_shapes_differing_in_group_stay_apart():
     from flashmesh.bench import tune_backward
 
     table = {"backward_entries": []}
-    results = [dict(shape=name, key=tune_backward.table_key(tune.spec_of(ANCHORS[name])), rows=[{}],
+    results = [dict(shape=name, key=tune.table_key(tune.spec_of(ANCHORS[name])), rows=[{}],
                     best=best, best_ms_back_to_back=1.0, default_ms_back_to_back=1.0)
                for name, best in (("causal_8k_h32_d128", {"block_kv_dq": 128}), ("gqa_causal_16k", {}))]
     tune_backward.write_entries(table, results, dict(date="2026-12-02", device="NVIDIA H200", commit="abc"))
@@ -150,7 +150,7 @@ def test_backward_write_keeps_hand_written_keys_and_skips_a_shared_key():
 
     table = json.loads(common.CONFIGS_PATH.read_text(encoding="utf-8"))
     before = {e.get("anchor"): e["key"] for e in table["backward_entries"]}
-    results = [dict(shape=name, key=tune_backward.table_key(tune.spec_of(ANCHORS[name])), rows=[{}],
+    results = [dict(shape=name, key=tune.table_key(tune.spec_of(ANCHORS[name])), rows=[{}],
                     best={"num_stages": 3}, best_ms_back_to_back=1.0, default_ms_back_to_back=1.0)
                for name in ("codelab_small", "causal_8k_h32_d64", "codelab_te_2048")]
     with pytest.warns(UserWarning, match="codelab_te_2048 has the table key of causal_8k_h32_d64"):

@@ -263,15 +263,15 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
                 plgpu.barrier_wait(ready.at[wg])
             kv_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in kvtok_smem] + [None]
         accumulate = _mma_from_smem if interpret else _mma_from_registers
-        dq_width = spec.qk_dim // W if bs.dq_columns else spec.qk_dim  # the partial dQ's columns
+        dq_width = bs.dq_width(spec)  # the partial dQ's columns
         staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         kv_tail = spec.kv_len % bs.block_kv != 0
 
         def q_step(q_tile, carry, *, g, masked: bool):
             # part "both": dK and dV; "dv": Sᵀ and dV only; "dk": Sᵀ, dPᵀ and dK only
             masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
-            loop_index = q_tile
-            slot = slot_of(g * count + q_tile - r.lo)
+            step = g * count + q_tile - r.lo  # this warpgroup's step count so far
+            slot = slot_of(step)
             q_tile = visit(q_tile)
             for barrier in stats_ready:
                 plgpu.barrier_wait(barrier.at[slot])
@@ -318,7 +318,7 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
             carry = accumulate(carry, tuple(lhs), tuple(rhs), used)
             plgpu.barrier_arrive(consumed.at[slot])
             if dq_ref is not None:
-                _dq_step(lhs[0], q_tile, kv_head * G + g, g * count + loop_index - r.lo)
+                _dq_step(lhs[0], q_tile, kv_head * G + g, step)
             return carry
 
         def _dq_step(ds16, q_tile, head, step):
@@ -639,8 +639,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
             plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None,
             smem_tile((stages, W, rows, bq), dtype) if bias_t is not None else None,
             smem_tile(((2,) if bs.dq_columns else ()) + (W, rows, bq), dtype) if bs.fused_dq else None,
-            plgpu.SMEM((W, bq, spec.qk_dim // (W if bs.dq_columns else 1)), jnp.float32)
-            if bs.fused_dq else None]
+            plgpu.SMEM((W, bq, bs.dq_width(spec)), jnp.float32) if bs.fused_dq else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bq), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]

@@ -111,6 +111,11 @@ class BackwardBlockSizes:
                 f"{self.num_compute_wgs} + memory_registers={self.memory_registers} must be at "
                 f"most {REGISTERS_PER_SM // WARPGROUP}, got {per_thread}")
 
+    def dq_width(self, spec: AttentionSpec) -> int:
+        """Columns of one warpgroup's partial dQ in the fused kernel: qk_dim, or its share
+        (qk_dim / num_compute_wgs) with dq_columns."""
+        return spec.qk_dim // self.num_compute_wgs if self.dq_columns else spec.qk_dim
+
     def smem_bytes(self, spec: AttentionSpec) -> dict[str, int]:
         """Shared memory of each kernel on a GPU: {"dkv": K, V tiles + the ring of Q, dO, lse,
         delta (and dropout's uint32 row hash); "dq": Q, dO, lse, delta (row hash) + the ring
@@ -129,9 +134,9 @@ class BackwardBlockSizes:
             dq += (stages + 1) * self.block_q_dq * self.block_kv_dq * size + SMEM_SLACK // 2
         if self.fused_dq:  # dSᵀ and the float32 partial dQ of each warpgroup; no dQ kernel
             # (dq_columns: dSᵀ double-buffered, each partial qk_dim / W wide)
-            buffers, split = (2, W) if self.dq_columns else (1, 1)
+            buffers = 2 if self.dq_columns else 1
             dkv += (buffers * self.block_kv * self.block_q * size
-                    + W * self.block_q * spec.qk_dim * 4 // split)
+                    + W * self.block_q * self.dq_width(spec) * 4)
             return {"dkv": dkv + SMEM_SLACK}
         return {"dkv": dkv + SMEM_SLACK, "dq": dq + SMEM_SLACK}
 
@@ -146,10 +151,9 @@ class BackwardBlockSizes:
             dkv = max(kv_rows * (self.block_q + spec.v_dim) // WARPGROUP + p16,
                       kv_rows * (2 * self.block_q + spec.qk_dim) // WARPGROUP + p16)
         elif self.fused_dq:  # dK, dV live throughout; Sᵀ, dPᵀ, then the partial dQ and dSᵀ
-            dq_cols = spec.qk_dim // self.num_compute_wgs if self.dq_columns else spec.qk_dim
             dkv = (kv_rows * (spec.qk_dim + spec.v_dim) // WARPGROUP
                    + max(kv_rows * 2 * self.block_q // WARPGROUP + p16,
-                         self.block_q * dq_cols // WARPGROUP + 2 * p16))
+                         self.block_q * self.dq_width(spec) // WARPGROUP + 2 * p16))
             return {"dkv": dkv}
         else:
             dkv = kv_rows * (2 * self.block_q + spec.qk_dim + spec.v_dim) // WARPGROUP + 2 * p16

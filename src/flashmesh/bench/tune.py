@@ -35,6 +35,7 @@ import numpy as np
 from flashmesh.attention import pallas_mosaic_gpu
 from flashmesh.attention import pallas_mosaic_gpu_common as common
 from flashmesh.bench import report, runner, tune_backward, tune_measure
+from flashmesh.bench.tune_measure import table_key
 from flashmesh.bench.shapes import ANCHOR_SHAPES, Shape
 
 TOLERANCE = 2e-2  # relative L2 against chunked, bf16 inputs (the kernels measure ~5e-3)
@@ -82,17 +83,6 @@ def candidates(spec, limit: int | None = None) -> list:
             seen.add(bs)
             found.append(bs)
     return found[:limit]
-
-
-def table_key(spec) -> dict:
-    """The table key of a call: head dims, mask kind, group size, dtypes, and for a window its
-    width bound (the smallest power of two >= the width)."""
-    key = dict(qk_dim=spec.qk_dim, v_dim=spec.v_dim, mask=common.mask_kind(spec), group=spec.group_size)
-    left, right = spec.window
-    if key["mask"] == "window" and min(left, right) >= 0:
-        key["max_window"] = 2 ** math.ceil(math.log2(left + right + 1))
-    key["dtypes"] = ["bfloat16", "float16"]
-    return key
 
 
 def _rel(a, b) -> float:

@@ -95,16 +95,7 @@ def tune_shape(shape, spec, config: runner.RunConfig, *, interpret: bool, limit:
         (q, k, v, out, lse, do), lambda got: max(rel(g, w) for g, w in zip(got, want)),
         fields=config_fields, tolerance=tolerance, interpret=interpret, config=config,
         label=f"{shape.name} backward", advance=advance)
-    return dict(shape=shape.name, kernel="backward", key=table_key(spec), **tune_measure.summary(rows))
-
-
-def table_key(spec) -> dict:
-    """The backward table key of a call: the forward's (`tune.table_key`: head dims, mask kind,
-    group size, dtypes, a window's width bound), so that two tuned shapes differing only in
-    their GQA group (causal_8k_h32_d128 and gqa_causal_16k) keep an entry each."""
-    from flashmesh.bench import tune
-
-    return tune.table_key(spec)
+    return dict(shape=shape.name, kernel="backward", key=tune_measure.table_key(spec), **tune_measure.summary(rows))
 
 
 def write_entries(table: dict, results: list[dict], meta: dict) -> None:

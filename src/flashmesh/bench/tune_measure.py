@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Sequence
 
@@ -72,3 +73,17 @@ def table_entry(entries: list[dict], shape: str, key: dict) -> dict:
         entry = dict(anchor=shape, device="sm90", key=key)
         entries.append(entry)
     return entry
+
+
+def table_key(spec) -> dict:
+    """The table key of a call, for the forward's entries and the backward's alike: head dims,
+    mask kind, group size, dtypes, and for a window its width bound (the smallest power of two
+    >= the width)."""
+    from flashmesh.attention.pallas_mosaic_gpu_common import mask_kind
+
+    key = dict(qk_dim=spec.qk_dim, v_dim=spec.v_dim, mask=mask_kind(spec), group=spec.group_size)
+    left, right = spec.window
+    if key["mask"] == "window" and min(left, right) >= 0:
+        key["max_window"] = 2 ** math.ceil(math.log2(left + right + 1))
+    key["dtypes"] = ["bfloat16", "float16"]
+    return key
