@@ -28,8 +28,9 @@ them, so the seed never reaches the kernels and is not differentiated.
 
 In the automatic order on a GPU, first for dropout (cuDNN cannot draw flashmesh's mask), windows
 narrow enough for the window kernel (faster than cuDNN), head dim 64 self-attention with the
-fused backward, packed documents in self-attention, and any call cuDNN cannot run; cuDNN keeps the rest, and context-parallel steps
-and q of 2^30 elements or more wait for a GPU check (`automatic_reason`).
+fused backward, packed documents in self-attention, and any call cuDNN cannot run; cuDNN keeps
+the rest, and context-parallel steps and q of 2^30 elements or more wait for a GPU check
+(`automatic_reason`).
 Measured on the H200 with every peer in one run (`flashmesh bench --preset anchors`,
 benchmarks/results/2026-12-02-nvidia-h200-anchors-2, bf16, back to back, fwd / fwd+bwd over the
 best of cuDNN, FA3 and tokamax): sliding window seed000_gqa_swa 0.81x / 0.79x; MLA 128/64 0.93x /
@@ -96,10 +97,10 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     and 0.89x fwd+bwd, with 3.3 GiB where cuDNN's fwd+bwd took 36.5,
     benchmarks/results/2026-12-02-nvidia-h200-anchors-3; one shape measured: the rule takes
     every packed self-attention call, resting on that memory gap as much as on the time), and
-    whatever cuDNN refuses. Passed
-    over: calls of the kinds cuDNN measured faster or about as fast on (d128 full, causal,
-    wider windows, MLA where its version runs it), and what has not been checked on a GPU yet: context-parallel steps, and
-    q of 2^30 elements or more (only the forward was checked there). device_kind: jax's, for
+    whatever cuDNN refuses. Passed over: calls of the kinds cuDNN measured faster or about as
+    fast on (d128 full, causal, wider windows, MLA where its version runs it), and what has not
+    been checked on a GPU yet: context-parallel steps, and q of 2^30 elements or more (only the
+    forward was checked there). device_kind: jax's, for
     the tiles (default: this machine's)."""
     from flashmesh.attention import cudnn
     from flashmesh.attention import pallas_mosaic_gpu_common as common

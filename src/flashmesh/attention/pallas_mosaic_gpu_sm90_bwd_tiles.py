@@ -57,7 +57,7 @@ class BackwardBlockSizes:
       over its own keys. Half the partial dQ's registers, and each step's two reduce-adds
       (one per warpgroup) half as wide, for one barrier per step; needs qk_dim a multiple of
       2 x the swizzle width (128 for 16-bit inputs). On the H200 it made the fused kernel
-      1.07-1.42x faster at d128 but left it 5-33% slower than the two-kernel backward
+      1.07-1.42x faster at d128 but left it 5-31% slower than the two-kernel backward
       (benchmarks/results/2026-12-02-nvidia-h200-tune), so no table entry uses it.
     """
 
