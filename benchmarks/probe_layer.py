@@ -6,6 +6,9 @@ time goes: per category (GEMM, attention, other kernels), then the longest XLA o
 The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` row) is traced the
 same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
 NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8).
+`--hidden-dropout R` sets the TransformerLayer's hidden dropout (0 by default here; the guide
+and the bench use 0.1); `--fp8-transpose xla` makes the FP8 GEMMs' operand transposes XLA's
+own `.T` again (the library moves them as uint32 words, `quantization.layouts`).
 """
 import re
 import sys
@@ -21,6 +24,15 @@ import flashmesh.te.flax as te_flax
 from flashmesh.quantization import written_state
 from flashmesh.te.recipe import DelayedScaling, Format
 
+
+def _option(name):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+if _option("--fp8-transpose") == "xla":
+    from flashmesh.quantization import dense as _dense
+    _dense._transpose = lambda q: q.T
+
 B, T, H, F, N = 4, 2048, 4096, 16384, 32
 if "--small" in sys.argv:
     B, T, H, F, N = 2, 128, 256, 1024, 4
@@ -31,11 +43,7 @@ layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=F, num_attention
                                  mlp_activations=("gelu",), self_attn_mask_type="causal",
                                  layernorm_epsilon=1e-5, use_bias=True, intermediate_dropout=0.0,
                                  enable_relative_embedding=False, self_attn_bias_type="no_bias",
-                                 hidden_dropout=0.0)
-
-
-def _option(name):
-    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+                                 hidden_dropout=float(_option("--hidden-dropout") or 0.0))
 
 
 def run(fp8, hand_written):

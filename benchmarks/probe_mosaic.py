@@ -2,7 +2,8 @@
 (`attention/pallas_mosaic_gpu_sm90.py`) against cuDNN on a few anchor shapes:
 error against cuDNN and the time per call of 20 calls back to back, each block size listed.
 
-`--fwdbwd`: also fwd+bwd of the registered implementation against cuDNN's. `--bwd`: the
+`--fwdbwd`: also fwd+bwd of the registered implementation against cuDNN's (`--dropout`: each
+also with attention dropout 0.1; `--fwdbwd-only`: not the forward's block sizes). `--bwd`: the
 backward kernels alone (`pallas_mosaic_gpu_sm90_bwd.backward_spec`) per BackwardBlockSizes in
 BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each checked against
 the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
@@ -145,15 +146,20 @@ def main():
             backward_alone(name, q, k, v, window, t_ref)
             continue
         if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's
-            for impl in ("cudnn", "pallas_mosaic_gpu"):
+            rates = (0.0, 0.1) if "--dropout" in sys.argv else (0.0,)
+            for impl, rate in itertools.product(("cudnn", "pallas_mosaic_gpu"), rates):
+                label = f"{impl}{f' dropout {rate}' if rate else ''}"
                 try:
                     step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(flashmesh.attention(
                         q, k, v, mask="causal" if causal else "none",
-                        window=None if window[0] < 0 else window,
+                        window=None if window[0] < 0 else window, dropout_rate=rate,
+                        dropout_rng=jax.random.key(7) if rate else None,
                         implementation=impl).astype(jnp.float32)), argnums=(0, 1, 2)))
-                    print(f"  fwd+bwd {impl}: {back_to_back(step, q, k, v):.3f} ms", flush=True)
+                    print(f"  fwd+bwd {label}: {back_to_back(step, q, k, v):.3f} ms", flush=True)
                 except Exception as e:  # a probe: report and go on
-                    print(f"  fwd+bwd {impl}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    print(f"  fwd+bwd {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if "--fwdbwd-only" in sys.argv:
+                continue
         for cfg in COMMON + EXTRA.get(name, []):
             try:
                 bs = BlockSizes(**cfg) if cfg else None
