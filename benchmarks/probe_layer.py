@@ -7,8 +7,9 @@ The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` ro
 same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
 NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8).
 `--hidden-dropout R` sets the TransformerLayer's hidden dropout (0 by default here; the guide
-and the bench use 0.1); `--fp8-transpose xla` makes the FP8 GEMMs' operand transposes XLA's
-own `.T` again (the library moves them as uint32 words, `quantization.layouts`).
+and the bench use 0.1); `--fp8-quantize xla|kernel` makes each FP8 operand's two layouts
+XLA's quantise and `.T`, or the one-pass Pallas kernel, instead of the library's quantise and
+uint32-word transpose (`quantization.layouts.quantize_both`).
 """
 import re
 import sys
@@ -29,9 +30,19 @@ def _option(name):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
-if _option("--fp8-transpose") == "xla":
-    from flashmesh.quantization import dense as _dense
-    _dense._transpose = lambda q: q.T
+if _option("--fp8-quantize"):  # xla: quantise + .T; kernel: layouts' Pallas kernel; words: the default
+    import functools
+
+    from flashmesh.quantization import layouts as _layouts
+    from flashmesh.quantization import scaling as _scaling
+    _kind = _option("--fp8-quantize")
+    if _kind == "xla":
+        def _plain(x, s, dtype):
+            q = _scaling.quantize(x, s, dtype)
+            return q, q.T, _scaling.amax(x)
+        _layouts.quantize_both = _plain
+    elif _kind == "kernel":
+        _layouts.quantize_both = functools.partial(_layouts.quantize_both, kernel=True)
 
 B, T, H, F, N = 4, 2048, 4096, 16384, 32
 if "--small" in sys.argv:

@@ -1,10 +1,12 @@
-"""layouts.byte_transpose: bit-identical to .T for every byte value, shape and FP8 dtype."""
+"""layouts: byte_transpose bit-identical to .T for every byte value, shape and FP8 dtype;
+quantize_both's kernel and XLA forms with the same bytes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
+from flashmesh.quantization import layouts, scaling
 from flashmesh.quantization.layouts import byte_transpose
 
 
@@ -30,3 +32,68 @@ def test_byte_transpose_keeps_other_dtypes_and_refuses_other_ranks():
     np.testing.assert_array_equal(byte_transpose(x), x.T)
     with pytest.raises(ValueError, match="q must be 2-D"):
         byte_transpose(jnp.zeros((4, 4, 4), jnp.uint8))
+
+
+def _specials(shape, dtype, seed):
+    """Random values over FP8's range and past it, with NaN, +-inf, -0 and zeros mixed in."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 5, shape)
+    flat = x.reshape(-1)
+    flat[:6] = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1e6]
+    rng.shuffle(flat)
+    return jnp.asarray(x, dtype)
+
+
+def _bytes(a):
+    """An array's bytes (one-byte dtypes) with every NaN as one pattern: conversions may keep
+    different NaN payloads."""
+    a = np.asarray(a)
+    if a.dtype.itemsize != 1:
+        return a
+    return np.where(np.isnan(a.astype(np.float32)), 0xFF, a.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("fp8", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_quantize_both_kernel_equals_xla_bit_for_bit(dtype, fp8):
+    """The Pallas kernel (interpret mode here, compiled on the GPU suite's run) and the XLA form
+    give the same bytes in both layouts (NaN payloads aside) and the same amax (inf included). A NaN makes the
+    kernel's amax NaN, as XLA's max on the GPU; XLA on the CPU skips NaN in max reductions,
+    so with a NaN only the bytes are compared here."""
+    x = _specials((128, 192), dtype, 3)
+    scale = jnp.full((1,), 7.5, jnp.float32)
+    plain = layouts.quantize_both(x, scale, fp8, kernel=False)
+    fused = layouts.quantize_both(x, scale, fp8, kernel=True)
+    want_q = scaling.quantize(x, scale, fp8)
+    np.testing.assert_array_equal(_bytes(plain[0]), _bytes(want_q))
+    np.testing.assert_array_equal(_bytes(plain[1]), _bytes(want_q).T)
+    for a, b in zip(plain[:2], fused[:2]):
+        np.testing.assert_array_equal(_bytes(a), _bytes(b))
+    assert np.isnan(np.asarray(fused[2])).all() and fused[2].shape == (1,)
+    no_nan = jnp.nan_to_num(x, nan=0.0, posinf=jnp.inf, neginf=-jnp.inf)
+    amaxes = [layouts.quantize_both(no_nan, scale, fp8, kernel=k)[2] for k in (False, True)]
+    np.testing.assert_array_equal(amaxes[0], amaxes[1])
+    np.testing.assert_array_equal(amaxes[0], scaling.amax(no_nan))
+    assert np.isinf(np.asarray(amaxes[0])).all()
+
+
+def test_quantize_both_refuses_what_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        layouts.quantize_both(jnp.zeros((2, 64, 64)), jnp.ones(1), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="does not fit the kernel"):
+        layouts.quantize_both(jnp.zeros((64, 96)), jnp.ones(1), jnp.float8_e4m3fn, kernel=True)
+    q, qt, amax = layouts.quantize_both(jnp.ones((6, 10)), jnp.ones(1), jnp.float8_e4m3fn)
+    assert q.shape == (6, 10) and qt.shape == (10, 6) and float(amax[0]) == 1.0
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_both_runs_the_kernel_and_equals_xla():
+    """On the GPU the kernel compiles to a Triton custom call and its bytes and amax equal the
+    XLA form's."""
+    for shape, dtype in [((8192, 4096), jnp.bfloat16), ((4096, 1024), jnp.float32)]:
+        x = _specials(shape, dtype, 5)
+        scale = jnp.full((1,), 3.0, jnp.float32)
+        f = jax.jit(lambda x, s: layouts.quantize_both(x, s, jnp.float8_e5m2, kernel=True))
+        assert "triton" in f.lower(x, scale).compile().as_text()
+        for a, b in zip(f(x, scale), layouts.quantize_both(x, scale, jnp.float8_e5m2, kernel=False)):
+            np.testing.assert_array_equal(_bytes(a), _bytes(b))

@@ -11,9 +11,9 @@ accumulation, as TransformerEngine's JAX GEMMs):
     wgrad    dw = (xqT [K,M]) . (gqT [N,M])
 
 The quantised x is saved transposed (xqT, one byte per element) and the kernel in both
-layouts, so nothing is re-quantised in the backward. The FP8 transposes move 4 x 4 byte blocks
-as uint32 words (`layouts.byte_transpose`, bit-identical to `.T`): XLA's own transpose of a
-one-byte array ran at about 0.6 TB/s on the H200. Each result is multiplied by the two
+layouts, so nothing is re-quantised in the backward. Each tensor's two layouts and its amax come
+from one pass (`layouts.quantize_both`: XLA's quantise fusion and a uint32-word transpose;
+XLA's own transpose of a one-byte array ran at about 0.6 TB/s on the H200). Each result is multiplied by the two
 operands' inverse scales in the output dtype, which cuBLASLt takes as its alpha.
 
 State (DelayedScaling): {"x": (scale, history), "kernel": ..., "grad": ...}; the updated state
@@ -36,8 +36,6 @@ from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 __all__ = ["dense", "TN"]
 
 TN = (((1,), (1,)), ((), ()))  # contract axis 1 of both operands: A [M, K], B [N, K]
-
-_transpose = layouts.byte_transpose  # of a 2-D FP8 array (a probe may swap in `lambda q: q.T`)
 
 
 def _mm(a, b, inv_scale, out_dtype, out_sharding=None):
@@ -89,10 +87,17 @@ def _shardings(x_like, kernel_like, x_transposed: bool = False) -> dict:
                 dw=jax.typeof(kernel_like).sharding if typed_k else jax.sharding.NamedSharding(mesh, jax.P()))
 
 
-def _scales(state, name, amax_now, fp8_max, recipe):
+def _both(t, state, name, fp8_max, dtype, recipe):
+    """(q, q.T, scale, amax) of one tensor: the stored scale (delayed scaling; the amax comes
+    out of the quantising pass) or the tensor's own (current scaling: its amax first)."""
     if isinstance(recipe, DelayedScaling):
-        return combine.to_float32(state[name][0])
-    return scaling.current_scale(amax_now, fp8_max, recipe)
+        scale = combine.to_float32(state[name][0])
+        q, qT, amax_now = layouts.quantize_both(t, scale, dtype)
+        return q, qT, scale, amax_now
+    amax_now = scaling.amax(t)
+    scale = scaling.current_scale(amax_now, fp8_max, recipe)
+    q, qT, _ = layouts.quantize_both(t, scale, dtype)
+    return q, qT, scale, amax_now
 
 
 def _new_state(state, amaxes, maxes, recipe):
@@ -117,31 +122,25 @@ def dense(x: jax.Array, kernel: jax.Array, state, recipe: DelayedScaling | Float
 
 def _forward(x, kernel, state, recipe):
     fmt = recipe.fp8_format
-    ax, ak = scaling.amax(x), scaling.amax(kernel)
-    sx = _scales(state, "x", ax, fmt.max_fwd, recipe)
-    sk = _scales(state, "kernel", ak, fmt.max_fwd, recipe)
-    xq = scaling.quantize(x, sx, fmt.forward_dtype)
-    # Quantised once; the forward's [N, K] copy is a transpose of the FP8 bytes. Without the
-    # barrier XLA re-read the float32 kernel for that copy, and for the fused QKV kernel
-    # ([H, 3, H]) it chose a layout that sent the dgrad to a Triton GEMM with a transpose
-    # inside (gemm_fusion_dot_general.24 in benchmarks/results/2026-12-02-nvidia-h200-layer/
-    # profile/ba2dd47-transformer_layer_fp8.hlo.txt.gz; the effect of the barrier there is not
-    # yet profiled).
-    kq = lax.optimization_barrier(scaling.quantize(kernel, sk, fmt.forward_dtype))
-    y = _mm(xq, _transpose(kq), (1.0 / sx) * (1.0 / sk), x.dtype, _shardings(x, kernel)["y"])
+    xq, xqT, sx, ax = _both(x, state, "x", fmt.max_fwd, fmt.forward_dtype, recipe)
+    kq, kqT, sk, ak = _both(kernel, state, "kernel", fmt.max_fwd, fmt.forward_dtype, recipe)
+    # Both layouts come from one quantisation. Without the barrier XLA re-read the float32
+    # kernel for the [N, K] copy, and for the fused QKV kernel ([H, 3, H]) it chose a layout
+    # that sent the dgrad to a Triton GEMM with a transpose inside (gemm_fusion_dot_general.24
+    # in benchmarks/results/2026-12-02-nvidia-h200-layer/profile/ba2dd47-transformer_layer_fp8.hlo.txt.gz).
+    kq, kqT = lax.optimization_barrier((kq, kqT))
+    y = _mm(xq, kqT, (1.0 / sx) * (1.0 / sk), x.dtype, _shardings(x, kernel)["y"])
     # A zero-size array carries the kernel's dtype (dw is returned in it).
-    return y, (_transpose(xq), kq, sx, sk, ax, ak, state, jnp.zeros((0,), kernel.dtype))
+    return y, (xqT, kq, sx, sk, ax, ak, state, jnp.zeros((0,), kernel.dtype))
 
 
 def _backward(recipe, residuals, g):
     xqT, kq, sx, sk, ax, ak, state, k_like = residuals
     fmt = recipe.fp8_format
-    ag = scaling.amax(g)
-    sg = _scales(state, "grad", ag, fmt.max_bwd, recipe)
-    gq = scaling.quantize(g, sg, fmt.backward_dtype)
+    gq, gqT, sg, ag = _both(g, state, "grad", fmt.max_bwd, fmt.backward_dtype, recipe)
     shardings = _shardings(xqT, kq, x_transposed=True)
     dx = _mm(gq, kq, (1.0 / sg) * (1.0 / sk), g.dtype, shardings["dx"])  # g has y's dtype, which is x's
-    dw = _mm(xqT, _transpose(gq), (1.0 / sx) * (1.0 / sg), g.dtype, shardings["dw"]).astype(k_like.dtype)
+    dw = _mm(xqT, gqT, (1.0 / sx) * (1.0 / sg), g.dtype, shardings["dw"]).astype(k_like.dtype)
     dx, dw = _summed_like(dx, xqT), _summed_like(dw, kq)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
     new = _new_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)

@@ -24,7 +24,7 @@ from jax import lax
 from flashmesh.attention.varying import varying_axes
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 
-__all__ = ["amax", "quantize", "update", "current_scale"]
+__all__ = ["amax", "reduce_amax", "quantize", "update", "current_scale"]
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -33,8 +33,14 @@ def amax(x: jax.Array) -> jax.Array:
     Under jit on sharded arrays the reduction is global by construction; inside `shard_map`
     it is also taken over the manual mesh axes along which `x` differs between devices, so
     every device quantises with the same scale (TE's reduce_amax over data/tensor axes)."""
-    local = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    axes = varying_axes(x)
+    return reduce_amax(jnp.max(jnp.abs(x)).astype(jnp.float32), x)
+
+
+def reduce_amax(local: jax.Array, like: jax.Array) -> jax.Array:
+    """A tensor's amax on this device (float32 scalar or [1]) -> float32 [1] over every device
+    `like` is split across (see `amax`)."""
+    local = local.astype(jnp.float32).reshape(())
+    axes = varying_axes(like)
     if axes:
         local = lax.pmax(local, axes)
     return local.reshape(1)
