@@ -9,7 +9,8 @@ needed in both layouts. Variants:
   xla      quantize(x), its transpose, amax (what `quantization.dense` does today)
   bytes    the transpose moved as 4x4 byte blocks in uint32 words (`layouts.byte_transpose`)
   barrier  quantize(x^T) with the bf16 transpose behind an optimization barrier
-  triton   one Pallas Triton kernel writing both layouts and per-tile amaxes (GPU only)
+  triton   one Pallas Triton kernel writing both layouts and per-tile amaxes
+           (`layouts.quantize_both(kernel=True)`; interpret mode off a GPU)
 """
 import sys
 import time
@@ -41,28 +42,8 @@ def barrier(x, s):
     return q, scaling.quantize(lax.optimization_barrier(x.T), s, DTYPE), scaling.amax(x)
 
 
-def triton(x, s, bm=64, bk=64):
-    from jax.experimental import pallas as pl
-
-    M, K = x.shape
-    top = float(jnp.finfo(DTYPE).max)
-
-    def kernel(x_ref, s_ref, q_ref, qt_ref, amax_ref):
-        v = x_ref[...].astype(jnp.float32)
-        scale = s_ref[0]
-        q_ref[...] = jnp.clip(v * scale, -top, top).astype(DTYPE)
-        qt_ref[...] = jnp.clip(v.T * scale, -top, top).astype(DTYPE)
-        amax_ref[...] = jnp.max(jnp.abs(v)).reshape(1, 1)
-
-    q, qt, am = pl.pallas_call(
-        kernel, grid=(M // bm, K // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j)), pl.BlockSpec((1,), lambda i, j: (0,))],
-        out_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j)), pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
-                   pl.BlockSpec((1, 1), lambda i, j: (i, j))],
-        out_shape=[jax.ShapeDtypeStruct((M, K), DTYPE), jax.ShapeDtypeStruct((K, M), DTYPE),
-                   jax.ShapeDtypeStruct((M // bm, K // bk), jnp.float32)],
-        interpret=jax.default_backend() != "gpu")(x, s.reshape(1).astype(jnp.float32))
-    return q, qt, jnp.max(am).reshape(1)
+def triton(x, s):
+    return layouts.quantize_both(x, s, DTYPE, kernel=True)
 
 
 VARIANTS = {"xla": xla, "bytes": bytes_, "barrier": barrier, "triton": triton}
