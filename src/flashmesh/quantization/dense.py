@@ -11,10 +11,10 @@ accumulation, as TransformerEngine's JAX GEMMs):
     wgrad    dw = (xqT [K,M]) . (gqT [N,M])
 
 The quantised x is saved transposed (xqT, one byte per element) and the kernel in both
-layouts, so nothing is re-quantised in the backward. Each tensor's two layouts and its amax come
-from one pass (`layouts.quantize_both`: XLA's quantise fusion and a uint32-word transpose;
-XLA's own transpose of a one-byte array ran at about 0.6 TB/s on the H200). Each result is multiplied by the two
-operands' inverse scales in the output dtype, which cuBLASLt takes as its alpha.
+layouts, so nothing is re-quantised in the backward. Each tensor's two layouts and its amax
+come from `layouts.quantize_both` (XLA's quantise fusion and a uint32-word transpose; XLA's own
+transpose of a one-byte array ran at about 0.6 TB/s on the H200). Each result is multiplied by
+the two operands' inverse scales in the output dtype, which cuBLASLt takes as its alpha.
 
 State (DelayedScaling): {"x": (scale, history), "kernel": ..., "grad": ...}; the updated state
 is returned as the cotangent of `state` (TE's convention, see `flashmesh.quantization.state`).
@@ -51,11 +51,6 @@ def _mm(a, b, inv_scale, out_dtype, out_sharding=None):
     return (y * inv_scale.astype(acc).reshape(())).astype(out_dtype)
 
 
-def _explicit(x) -> bool:
-    types = getattr(getattr(jax.typeof(x).sharding, "mesh", None), "axis_types", ())
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
-
-
 def _summed_like(grad, primal_like):
     """Inside `shard_map`: the cotangent summed over the manual axes it varies along but its
     primal does not (a kernel replicated over the data axis gets the sum of every shard's
@@ -72,12 +67,12 @@ def _shardings(x_like, kernel_like, x_transposed: bool = False) -> dict:
     sharding, dw the kernel's (replicated over the activations' mesh if only they are typed).
     x_like may be x or x saved transposed (x_transposed); kernel_like the kernel or kq."""
     def spec(a, transposed=False):
-        if not _explicit(a):
+        if not layouts.typed_sharding(a):
             return (None, None)
         pair = (tuple(jax.typeof(a).sharding.spec) + (None, None))[:2]
         return pair[::-1] if transposed else pair
 
-    typed_x, typed_k = _explicit(x_like), _explicit(kernel_like)
+    typed_x, typed_k = layouts.typed_sharding(x_like), layouts.typed_sharding(kernel_like)
     if not (typed_x or typed_k):
         return dict(y=None, dx=None, dw=None)
     mesh = jax.typeof(x_like if typed_x else kernel_like).sharding.mesh

@@ -26,7 +26,7 @@ from jax import lax
 
 from flashmesh.quantization import scaling
 
-__all__ = ["byte_transpose", "quantize_both"]
+__all__ = ["byte_transpose", "quantize_both", "typed_sharding"]
 
 TILE = 64  # the kernel's square tile; both sizes must be multiples of it
 
@@ -38,7 +38,7 @@ def byte_transpose(q: jax.Array) -> jax.Array:
     if q.ndim != 2:
         raise ValueError(f"q must be 2-D, got shape {q.shape}")
     M, K = q.shape
-    if jnp.dtype(q.dtype).itemsize != 1 or M % 4 or K % 4 or M == 0 or K == 0 or _typed(q):
+    if jnp.dtype(q.dtype).itemsize != 1 or M % 4 or K % 4 or M == 0 or K == 0 or typed_sharding(q):
         return q.T
     u8 = lax.bitcast_convert_type(q, jnp.uint8)
     # w[a, i, b] holds row 4a+i's bytes of columns 4b .. 4b+3 (byte j = column 4b+j).
@@ -54,10 +54,9 @@ def byte_transpose(q: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(out.reshape(K, M), q.dtype)
 
 
-def _typed(q) -> bool:
-    """Whether q's type carries a sharding over Explicit mesh axes."""
-    sharding = jax.typeof(q).sharding
-    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+def typed_sharding(x) -> bool:
+    """Whether x's type carries a sharding over Explicit mesh axes."""
+    types = getattr(getattr(jax.typeof(x).sharding, "mesh", None), "axis_types", ())
     return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
@@ -69,7 +68,7 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool = False
         raise ValueError(f"x must be 2-D, got shape {x.shape}")
     M, K = x.shape
     if kernel:
-        fits = M % TILE == 0 and K % TILE == 0 and M > 0 and not _typed(x) and x.dtype in (
+        fits = M % TILE == 0 and K % TILE == 0 and M > 0 and not typed_sharding(x) and x.dtype in (
             jnp.bfloat16, jnp.float16, jnp.float32)
         if not fits:
             raise ValueError(f"x of shape {x.shape} and dtype {x.dtype} does not fit the kernel: sizes "
@@ -83,7 +82,7 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool = False
 
 def _xla(x, scale, dtype):
     q = scaling.quantize(x, scale, dtype)
-    return q, byte_transpose(q), jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return q, byte_transpose(q), scaling.local_amax(x)
 
 
 def _kernel(x, scale, dtype, *, interpret: bool):

@@ -24,7 +24,7 @@ from jax import lax
 from flashmesh.attention.varying import varying_axes
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 
-__all__ = ["amax", "reduce_amax", "quantize", "update", "current_scale"]
+__all__ = ["amax", "local_amax", "reduce_amax", "quantize", "update", "current_scale"]
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -33,7 +33,12 @@ def amax(x: jax.Array) -> jax.Array:
     Under jit on sharded arrays the reduction is global by construction; inside `shard_map`
     it is also taken over the manual mesh axes along which `x` differs between devices, so
     every device quantises with the same scale (TE's reduce_amax over data/tensor axes)."""
-    return reduce_amax(jnp.max(jnp.abs(x)).astype(jnp.float32), x)
+    return reduce_amax(local_amax(x), x)
+
+
+def local_amax(x: jax.Array) -> jax.Array:
+    """max |x| on this device, a float32 scalar."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
 def reduce_amax(local: jax.Array, like: jax.Array) -> jax.Array:
