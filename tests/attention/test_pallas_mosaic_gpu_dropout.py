@@ -68,7 +68,7 @@ def test_row_hash_finishes_to_masks_dropout_keep():
         assert h.shape == (B, N, T) and h.dtype == jnp.uint32
         kv = jnp.arange(S).astype(jnp.uint32)[None, None, None, :]
         x = h[..., None] + kv * jnp.uint32(DROPOUT_KEY_MULT)
-        got = masks._mix32(x) >= jnp.uint32(sm90.dropout_threshold(rate))
+        got = masks.mix32(x) >= jnp.uint32(sm90.dropout_threshold(rate))
         numbers = dataclasses.replace(inputs, q_index=q_index, head_index=head_index)
         want = expected_keep(numbers, rate, B, N, T, S)
         np.testing.assert_array_equal(np.asarray(got), want)

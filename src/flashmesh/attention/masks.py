@@ -135,7 +135,7 @@ def block_map(spec: AttentionSpec, inputs: AttentionInputs, bq: int, bk: int):
     return classes
 
 
-def _mix32(x: jax.Array) -> jax.Array:
+def mix32(x: jax.Array) -> jax.Array:
     """A 32-bit integer finaliser (lowbias32, C. Wellons): good avalanche in four operations."""
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x7FEB352D)
@@ -161,8 +161,8 @@ def dropout_keep(seed: jax.Array, rate: float, b, n, q_idx, kv_idx) -> jax.Array
     its tile and gets exactly the elements the reference drops, with no mask in memory.
     """
     u = jnp.uint32
-    h = _mix32(seed[0] ^ _mix32(jnp.asarray(b).astype(u) * u(0x9E3779B1) + jnp.asarray(n).astype(u)))
-    h = _mix32(h ^ seed[1] ^ jnp.asarray(q_idx).astype(u))
-    h = _mix32(h + jnp.asarray(kv_idx).astype(u) * u(0x85EBCA77))
+    h = mix32(seed[0] ^ mix32(jnp.asarray(b).astype(u) * u(0x9E3779B1) + jnp.asarray(n).astype(u)))
+    h = mix32(h ^ seed[1] ^ jnp.asarray(q_idx).astype(u))
+    h = mix32(h + jnp.asarray(kv_idx).astype(u) * u(0x85EBCA77))
     threshold = min(int(round(rate * 2.0**32)), 2**32 - 1)
     return h >= u(threshold)

@@ -46,8 +46,8 @@ def dropout_row_hash(spec: AttentionSpec, seed, *, q_index=None, head_index=None
     numbers = AttentionInputs(q=None, k=None, v=None, q_index=q_index, head_index=head_index)
     n, i, _ = masks.dropout_numbers(numbers, jnp.arange(spec.num_heads), jnp.arange(spec.q_len), 0)
     b = jnp.arange(spec.batch).astype(u)[:, None, None]
-    h = masks._mix32(seed[0] ^ masks._mix32(b * u(DROPOUT_BATCH_MULT) + n.astype(u)[None, :, None]))
-    return masks._mix32(h ^ seed[1] ^ i.astype(u)[None, None, :])
+    h = masks.mix32(seed[0] ^ masks.mix32(b * u(DROPOUT_BATCH_MULT) + n.astype(u)[None, :, None]))
+    return masks.mix32(h ^ seed[1] ^ i.astype(u)[None, None, :])
 
 
 def spec_for(q, k, v, *, scale: float, window=(-1, -1), bottom_right: bool = False,

@@ -34,7 +34,7 @@ def dropout_keep(row_hash, key0, shape, key_dim: int, threshold: int):
     base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
     keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
     x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
-    return masks._mix32(x) >= u(threshold)
+    return masks.mix32(x) >= u(threshold)
 
 
 def pv_from_registers(acc, p16, v_tile, p_smem, during):

@@ -21,6 +21,7 @@ from flax.linen import partitioning
 from jax.ad_checkpoint import checkpoint_name
 
 from flashmesh.nn.dense import constrain, default_kernel_init, dense_general
+from flashmesh.nn.dropout import Dropout
 from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import state as qstate
 
@@ -196,9 +197,9 @@ class LayerNormMLP(nn.Module):
         h = _stored_backward(h) if fp8 else h
         a = activation(h, names, act_params=self.activation_params)   # [..., F]
         a = _stored_forward(a) if fp8 else a
-        a = nn.Dropout(rate=self.intermediate_dropout_rate,
-                       broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
-                       rng_collection=self.intermediate_dropout_rng_name)(a, deterministic=deterministic)
+        a = Dropout(rate=self.intermediate_dropout_rate,
+                    broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                    rng_collection=self.intermediate_dropout_rng_name)(a, deterministic=deterministic)
 
         a = constrain(a, self.dot_2_input_axes)
         wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(1, 1), (F, hidden),

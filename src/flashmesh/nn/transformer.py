@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jaxtyping import Array, Float
 
+from flashmesh.nn.dropout import Dropout
 from flashmesh.nn.layernorm import LayerNorm
 from flashmesh.nn.mlp import LayerNormMLP
 from flashmesh.nn.multihead import MultiHeadAttention, lora_scope
@@ -201,13 +202,13 @@ class TransformerLayer(nn.Module):
 
     def _dropout(self, x, deterministic: bool, drop_path: bool):
         """Hidden dropout, then stochastic depth (one draw per batch row) when `drop_path`."""
-        x = nn.Dropout(rate=self.hidden_dropout, broadcast_dims=tuple(self.hidden_dropout_dims),
-                       rng_collection=self.dropout_rng_name)(x, deterministic=deterministic)
+        x = Dropout(rate=self.hidden_dropout, broadcast_dims=tuple(self.hidden_dropout_dims),
+                    rng_collection=self.dropout_rng_name)(x, deterministic=deterministic)
         if drop_path and self.drop_path > 0.0:
             batch_axis = 1 if self.transpose_batch_sequence else 0
             dims = tuple(d for d in range(x.ndim) if d != batch_axis)
-            x = nn.Dropout(rate=self.drop_path, broadcast_dims=dims,
-                           rng_collection=self.dropout_rng_name)(x, deterministic=deterministic)
+            x = Dropout(rate=self.drop_path, broadcast_dims=dims,
+                        rng_collection=self.dropout_rng_name)(x, deterministic=deterministic)
         return x
 
     def _residual(self, inputs, ln_out):
