@@ -7,9 +7,9 @@ The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` ro
 same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
 NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8).
 `--hidden-dropout R` sets the TransformerLayer's hidden dropout (0 by default here; the guide
-and the bench use 0.1); `--fp8-quantize xla|kernel` makes each FP8 operand's two layouts
-XLA's quantise and `.T`, or the one-pass Pallas kernel, instead of the library's quantise and
-uint32-word transpose (`quantization.layouts.quantize_both`).
+and the bench use 0.1); `--fp8-quantize xla|words|kernel` makes each FP8 operand's two layouts
+XLA's quantise and `.T`, XLA's quantise and the uint32-word transpose, or the one-pass Pallas
+kernel, instead of the library's automatic choice (`quantization.layouts.quantize_both`).
 """
 import re
 import sys
@@ -30,7 +30,7 @@ def _option(name):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
-if _option("--fp8-quantize"):  # xla: quantise + .T; kernel: layouts' Pallas kernel; words: the default
+if _option("--fp8-quantize"):  # xla: quantise + .T; words: + byte_transpose; kernel: the Pallas kernel
     import functools
 
     from flashmesh.quantization import layouts as _layouts
@@ -41,8 +41,10 @@ if _option("--fp8-quantize"):  # xla: quantise + .T; kernel: layouts' Pallas ker
             q = _scaling.quantize(x, s, dtype)
             return q, q.T, _scaling.amax(x)
         _layouts.quantize_both = _plain
-    elif _kind == "kernel":
-        _layouts.quantize_both = functools.partial(_layouts.quantize_both, kernel=True)
+    elif _kind in ("kernel", "words"):
+        _layouts.quantize_both = functools.partial(_layouts.quantize_both, kernel=_kind == "kernel")
+    else:
+        raise SystemExit(f"--fp8-quantize {_kind}: expected xla, words or kernel")
 
 B, T, H, F, N = 4, 2048, 4096, 16384, 32
 if "--small" in sys.argv:

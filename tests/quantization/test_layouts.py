@@ -86,6 +86,38 @@ def test_quantize_both_refuses_what_the_kernel_cannot_take():
     assert q.shape == (6, 10) and qt.shape == (10, 6) and float(amax[0]) == 1.0
 
 
+def test_quantize_both_automatic_choice(monkeypatch):
+    """kernel=None: the XLA form with several devices or sizes the kernel cannot take; with one
+    device the choice is made per platform when lowering (the CPU lowers the XLA form)."""
+    x = _specials((128, 192), jnp.bfloat16, 4)
+    scale = jnp.full((1,), 2.0, jnp.float32)
+    want = layouts.quantize_both(x, scale, jnp.float8_e4m3fn, kernel=False)
+
+    def check():
+        f = jax.jit(lambda x, s: layouts.quantize_both(x, s, jnp.float8_e4m3fn))
+        text = f.lower(x, scale).compile().as_text()
+        assert "fp8_quantize_both" not in text and "triton" not in text
+        for a, b in zip(f(x, scale), want):
+            np.testing.assert_array_equal(_bytes(a), _bytes(b))
+
+    assert jax.device_count() > 1
+    check()
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    check()
+    assert layouts.kernel_fits(x) and not layouts.kernel_fits(x[:, :100])
+    assert not layouts.kernel_fits(x.astype(jnp.int8))
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_both_takes_the_kernel_by_itself_on_one_device():
+    x = _specials((1024, 512), jnp.bfloat16, 6)
+    scale = jnp.full((1,), 3.0, jnp.float32)
+    f = jax.jit(lambda x, s: layouts.quantize_both(x, s, jnp.float8_e4m3fn))
+    assert ("triton" in f.lower(x, scale).compile().as_text()) == (jax.device_count() == 1)
+    for a, b in zip(f(x, scale), layouts.quantize_both(x, scale, jnp.float8_e4m3fn, kernel=False)):
+        np.testing.assert_array_equal(_bytes(a), _bytes(b))
+
+
 @pytest.mark.gpu
 def test_gpu_quantize_both_runs_the_kernel_and_equals_xla():
     """On the GPU the kernel compiles to a Triton custom call and its bytes and amax equal the

@@ -12,8 +12,9 @@ accumulation, as TransformerEngine's JAX GEMMs):
 
 The quantised x is saved transposed (xqT, one byte per element) and the kernel in both
 layouts, so nothing is re-quantised in the backward. Each tensor's two layouts and its amax
-come from `layouts.quantize_both` (XLA's quantise fusion and a uint32-word transpose; XLA's own
-transpose of a one-byte array ran at about 0.6 TB/s on the H200). Each result is multiplied by
+come from `layouts.quantize_both`: one Pallas cast-transpose kernel on a lone CUDA device, XLA's
+quantise fusion and a uint32-word transpose elsewhere (XLA's own transpose of a one-byte array
+ran at about 0.6 TB/s on the H200). Each result is multiplied by
 the two operands' inverse scales in the output dtype, which cuBLASLt takes as its alpha.
 
 State (DelayedScaling): {"x": (scale, history), "kernel": ..., "grad": ...}; the updated state

@@ -9,13 +9,14 @@ own transpose of a one-byte array ran at about 0.6 TB/s on the H200 (`wrapped_tr
 tiled case. The bytes of each 4 x 4 block are regrouped within its four words (shifts and
 masks) and the words transposed; the result is bit-identical to `q.T` on every platform.
 
-`quantize_both(..., kernel=True)` is one Pallas Triton kernel that reads x once and writes both
-layouts and per-tile amaxes (TransformerEngine's cast-transpose; interpret mode off a GPU), the
-same bytes as the XLA form (NaN payloads aside). H200, 2026-12-02 (x read once, both layouts
-written, `benchmarks/probe_fp8_transpose.py`): bf16 [8192, 16384] 0.158 ms for that kernel,
-0.257 for quantise + byte_transpose, 0.342 for quantise + `.T`. `dense` does not take the
-kernel yet: inside it, it has not been through the GPU suite (and with several devices the
-SPMD partitioner would gather a Pallas call's operands).
+`quantize_both`'s kernel is one Pallas Triton kernel that reads x once and writes both layouts
+and per-tile amaxes (TransformerEngine's cast-transpose), the same bytes as the XLA form (NaN
+payloads aside). H200, 2026-12-02 (x read once, both layouts written,
+`benchmarks/probe_fp8_transpose.py`): bf16 [8192, 16384] 0.158 ms for that kernel, 0.257 for
+quantise + byte_transpose, 0.342 for quantise + `.T`. `kernel=None` (what `dense` passes) takes
+it where it can run as one kernel: a CUDA device, sizes multiples of TILE, and a process with
+one device (with several, the SPMD partitioner would gather a Pallas call's operands); the XLA
+form elsewhere. `kernel=True` forces it (interpret mode off a GPU), `kernel=False` refuses it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from jax import lax
 
 from flashmesh.quantization import scaling
 
-__all__ = ["byte_transpose", "quantize_both", "typed_sharding"]
+__all__ = ["byte_transpose", "kernel_fits", "quantize_both", "typed_sharding"]
 
 TILE = 64  # the kernel's square tile; both sizes must be multiples of it
 
@@ -60,17 +61,22 @@ def typed_sharding(x) -> bool:
     return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
-def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool = False):
+def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None = None):
     """x [M, K] (bf16, f16 or f32) -> (q [M, K], q.T [K, M], amax [1]): q = quantize(x, scale,
     dtype) as `scaling.quantize`, amax = `scaling.amax(x)` (reduced over the devices x is split
-    across inside shard_map). kernel: the Pallas kernel (sizes multiples of TILE)."""
+    across inside shard_map). kernel: True the Pallas kernel, False the XLA form, None the
+    kernel on a lone CUDA device where x fits it (see the module docstring)."""
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D, got shape {x.shape}")
-    M, K = x.shape
-    if kernel:
-        fits = M % TILE == 0 and K % TILE == 0 and M > 0 and not typed_sharding(x) and x.dtype in (
-            jnp.bfloat16, jnp.float16, jnp.float32)
-        if not fits:
+    if kernel is None:
+        if kernel_fits(x) and jax.device_count() == 1:
+            local = lax.platform_dependent(
+                x, scale, cuda=lambda x, s: _kernel(x, s, dtype, interpret=False),
+                default=lambda x, s: _xla(x, s, dtype))
+        else:
+            local = _xla(x, scale, dtype)
+    elif kernel:
+        if not kernel_fits(x):
             raise ValueError(f"x of shape {x.shape} and dtype {x.dtype} does not fit the kernel: sizes "
                              f"multiples of {TILE}, bf16/f16/f32, not sharded in its type")
         local = _kernel(x, scale, dtype, interpret=jax.default_backend() != "gpu")
@@ -78,6 +84,12 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool = False
         local = _xla(x, scale, dtype)
     q, qt, amax = local
     return q, qt, scaling.reduce_amax(amax, x)
+
+
+def kernel_fits(x) -> bool:
+    """Whether the kernel takes x: 2-D, sizes multiples of TILE, bf16/f16/f32, no typed sharding."""
+    return (x.ndim == 2 and x.shape[0] % TILE == 0 and x.shape[1] % TILE == 0 and x.shape[0] > 0
+            and not typed_sharding(x) and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
 def _xla(x, scale, dtype):
