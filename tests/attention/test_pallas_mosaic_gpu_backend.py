@@ -148,7 +148,9 @@ def test_gpu_automatic_choice():
             d64, d64, d64, implementation="pallas_mosaic_gpu", **kw))
     v = d64[..., :32]
     assert flashmesh.explain(d64, d64, v, mask="causal").chosen == "cudnn"
-    assert flashmesh.explain(d64, d64, d64, mask="causal", window=(1024, 0)).chosen == "cudnn"
+    # a window wider than the window kernel's band (a wider one than T would be plain causal)
+    long = jax.random.normal(jax.random.key(3), (1, 1024, 4, 64), jnp.bfloat16)
+    assert flashmesh.explain(long, long, long, mask="causal", window=(256, 0)).chosen == "cudnn"
     # packed documents (d128 here): the kernels, equal to the named call
     ids = jnp.asarray([[1] * 100 + [2] * 120 + [0] * 36, [1] * 30 + [2] * 226], jnp.int32)
     segments = flashmesh.SequenceDescriptor.from_segment_ids_and_pos(ids, max_segments=2)

@@ -28,7 +28,9 @@ def test_gpu_rows_run_and_match_the_reference(label, mode):
 
 
 def test_automatic_choice_is_recorded():
-    r = measure(CAUSAL, "flashmesh", "fwd")
+    r = measure(CAUSAL, "flashmesh", "fwd")  # d64 causal self-attention: the kernels
+    assert r.detail == "chose pallas_mosaic_gpu", r.detail
+    r = measure(dataclasses.replace(CAUSAL, name="gpu_causal_d128", Dqk=128), "flashmesh", "fwd")
     assert r.detail == "chose cudnn", r.detail
 
 

@@ -89,8 +89,8 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     """Why the automatic choice passes over this call (to cuDNN where it runs it), or None.
 
     Taken: dropout (cuDNN cannot draw flashmesh's mask), windows narrow enough for the window
-    kernel (measured faster than cuDNN), head dim 64 self-attention (T == S, no segments)
-    where the backward is the fused kernel (the table's causal entry, and full attention up to
+    kernel (measured faster than cuDNN), head dim 64 full or causal self-attention (T == S, no
+    segments, no wider window) where the backward is the fused kernel (the table's causal entry, and full attention up to
     128: measured faster than cuDNN on the three d64 anchors, fwd and fwd+bwd,
     benchmarks/results/2026-12-02-nvidia-h200-anchors-2), packed documents in self-attention
     (16 causal documents of 4096 tokens in one 64k row, GQA 32:8, d128: 0.96x cuDNN's time fwd
@@ -115,8 +115,8 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     if spec.has_dropout or isinstance(fwd, common.WindowBlockSizes):
         return None
     if (bwd.fused_dq and spec.qk_dim == spec.v_dim == 64 and spec.q_len == spec.kv_len
-            and spec.segments is None):
-        return None  # d64 self-attention with the fused backward: faster on the d64 anchors
+            and spec.segments is None and spec.window in ((-1, -1), (-1, 0))):
+        return None  # d64 full or causal self-attention with the fused backward: the d64 anchors
     if spec.segments == "packed" and spec.q_len == spec.kv_len:
         return None  # packed documents: faster than cuDNN's with offsets, a ninth of its memory
     if cudnn.unsupported_reason(spec, platform, automatic=True) is not None:
