@@ -94,6 +94,11 @@ def test_automatic_choice_leaves_cross_attention_and_unpacked_d128_to_cudnn(monk
     assert "cuDNN runs this call" in pallas_mosaic_gpu.automatic_reason(cross, "gpu", "NVIDIA H200")
     causal = _spec(mask="causal", D=128)
     assert "cuDNN runs this call" in pallas_mosaic_gpu.automatic_reason(causal, "gpu", "NVIDIA H200")
+    # d64 with a window wider than the window kernel's band (none was measured): cuDNN
+    long = jnp.zeros((1, 1024, 4, 64), jnp.bfloat16)
+    wide = normalize(long, long, long, mask="causal", window=(256, 0))[1]
+    assert wide.window == (256, 0)
+    assert "cuDNN runs this call" in pallas_mosaic_gpu.automatic_reason(wide, "gpu", "NVIDIA H200")
 
 
 def test_automatic_choice_takes_the_measured_window_shape():
