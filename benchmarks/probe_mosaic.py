@@ -3,7 +3,9 @@
 error against cuDNN and the time per call of 20 calls back to back, each block size listed.
 
 `--fwdbwd`: also fwd+bwd of the registered implementation against cuDNN's (`--dropout`: each
-also with attention dropout 0.1; `--fwdbwd-only`: not the forward's block sizes). `--bwd`: the
+also with attention dropout 0.1; `--fwdbwd-only`: not the forward's block sizes; `--dropout-hash
+pairs`: the kernels' last hash round once per adjacent key pair, 16 bits per decision (a
+different mask from the library's: for timing only, see `_pair_keep`)). `--bwd`: the
 backward kernels alone (`pallas_mosaic_gpu_sm90_bwd.backward_spec`) per BackwardBlockSizes in
 BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each checked against
 the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
@@ -20,6 +22,32 @@ import flashmesh
 from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
+
+def _pair_keep(row_hash, key0, shape, key_dim: int, threshold: int):
+    """A probe of a cheaper dropout hash: keys 2m and 2m+1 share one last-round hash, the low
+    16 bits deciding the even key and the high 16 the odd one. In the WGMMA layout a thread
+    holds such pairs in adjacent registers, so the compiler may compute the hash once per pair
+    (whether it does is what the timing tells). Not the library's mask."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    from flashmesh.attention import masks
+    from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
+
+    u = jnp.uint32
+    base = row_hash + (jnp.asarray(key0) >> 1).astype(u) * u(DROPOUT_KEY_MULT)
+    keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
+    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + (keys >> 1).astype(u) * u(DROPOUT_KEY_MULT)
+    h = masks.mix32(x)
+    bits = jnp.where((keys & 1) == 1, h >> 16, h & u(0xFFFF))
+    return bits >= u(threshold >> 16)
+
+
+if "--dropout-hash" in sys.argv:
+    if sys.argv[sys.argv.index("--dropout-hash") + 1] != "pairs":
+        raise SystemExit("--dropout-hash: expected pairs")
+    sm90.dropout_keep = bwd.dropout_keep = _pair_keep
+
 
 SHAPES = [  # name, B, T, N, K, D, window
     ("causal_8k_h32_d128", 1, 8192, 32, 32, 128, (-1, 0)),
@@ -127,7 +155,7 @@ def back_to_back(f, *args, n=20):
 
 
 def main():
-    only = [a for a in sys.argv[1:] if not a.startswith("--")] or None
+    only = [a for a in sys.argv[1:] if not a.startswith("--") and a != "pairs"] or None
     for name, B, T, N, K, D, window in SHAPES:
         if only and name not in only:
             continue
