@@ -104,6 +104,18 @@ def test_quantize_both_automatic_choice(monkeypatch):
     check()
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     check()
+    # Inside shard_map (even over one device) or under a mesh: the XLA form, which carries the
+    # manual axes; a Pallas call's outputs would not (tracing failed there).
+    mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    inside = jax.shard_map(lambda x, s: layouts.quantize_both(x, s, jnp.float8_e4m3fn)[:2], mesh=mesh,
+                           in_specs=(jax.P("d"), jax.P()), out_specs=(jax.P("d"), jax.P(None, "d")))
+    for a, b in zip(jax.jit(inside)(x, scale), want[:2]):
+        np.testing.assert_array_equal(_bytes(a), _bytes(b))
+    with jax.set_mesh(mesh):
+        assert layouts._one_device_program()  # a mesh of one device is one device
+    with jax.set_mesh(jax.make_mesh((2,), ("d",), devices=jax.devices()[:2],
+                                    axis_types=(jax.sharding.AxisType.Auto,))):
+        assert not layouts._one_device_program()
     assert layouts.kernel_fits(x) and not layouts.kernel_fits(x[:, :100])
     assert not layouts.kernel_fits(x.astype(jnp.int8))
 

@@ -14,9 +14,12 @@ and per-tile amaxes (TransformerEngine's cast-transpose), the same bytes as the 
 payloads aside). H200, 2026-12-02 (x read once, both layouts written,
 `benchmarks/probe_fp8_transpose.py`): bf16 [8192, 16384] 0.158 ms for that kernel, 0.257 for
 quantise + byte_transpose, 0.342 for quantise + `.T`. `kernel=None` (what `dense` passes) takes
-it where it can run as one kernel: a CUDA device, sizes multiples of TILE, and a process with
-one device (with several, the SPMD partitioner would gather a Pallas call's operands); the XLA
-form elsewhere. `kernel=True` forces it (interpret mode off a GPU), `kernel=False` refuses it.
+it where it can run as one kernel: a CUDA device, sizes multiples of TILE, a process with one
+device and no mesh or `shard_map` around the call (with several devices the SPMD partitioner
+would gather a Pallas call's operands); the XLA form elsewhere. `kernel=True` forces it
+(interpret mode off a GPU), `kernel=False` refuses it. The choice between the two is made when
+lowering for the platform (`lax.platform_dependent`); a `jax.export` for several platforms at
+once from a one-device process would lower the CUDA branch's Pallas call for the CPU and fail.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None 
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D, got shape {x.shape}")
     if kernel is None:
-        if kernel_fits(x) and jax.device_count() == 1:
+        if kernel_fits(x) and _one_device_program():
             local = lax.platform_dependent(
                 x, scale, cuda=lambda x, s: _kernel(x, s, dtype, interpret=False),
                 default=lambda x, s: _xla(x, s, dtype))
@@ -84,6 +87,14 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None 
         local = _xla(x, scale, dtype)
     q, qt, amax = local
     return q, qt, scaling.reduce_amax(amax, x)
+
+
+def _one_device_program() -> bool:
+    """Whether the program being traced runs on one device with no mesh around it: one device
+    in the process, and no abstract mesh set (`jax.set_mesh`, AOT lowering for a topology) and
+    no `shard_map` (whose manual axes the Pallas call's outputs would not carry)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.device_count() == 1 and (mesh.empty or (mesh.size == 1 and not mesh.manual_axes))
 
 
 def kernel_fits(x) -> bool:
