@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import flax.errors
 from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from flashmesh.nn.dropout import Dropout, dropout, dropout_keep
 
@@ -41,8 +42,13 @@ def test_dtype_and_shape_kept_and_rate_edges():
     key = jax.random.key(0)
     y = dropout(x, 0.25, key)
     assert y.dtype == jnp.bfloat16 and y.shape == x.shape
+    kept = np.asarray(y) != 0
+    assert 0 < kept.mean() < 1
+    want = (np.asarray(x, np.float32) / 0.75).astype(jnp.bfloat16)  # x / (1 - rate) in x's dtype
+    np.testing.assert_array_equal(np.asarray(y)[kept], want[kept])
     assert dropout(x, 0.0, key) is x
     np.testing.assert_array_equal(dropout(x, 1.0, key), jnp.zeros_like(x))
+    np.testing.assert_array_equal(dropout(x, 1.0, None), jnp.zeros_like(x))  # no key needed
 
 
 def test_same_key_same_mask_other_key_other_mask():
@@ -61,29 +67,45 @@ def test_broadcast_dims_share_one_decision(dims):
     kept = np.asarray(dropout(x, 0.5, jax.random.key(3), dims)) != 0
     for d in dims:
         assert (kept == np.take(kept, [0], axis=d % 3)).all()
+    shared = {d % 3 for d in dims}
+    for d in set(range(3)) - shared:  # and varies along every other axis
+        assert not (kept == np.take(kept, [0], axis=d)).all(), d
     assert 0.2 < kept.mean() < 0.8
 
 
 def test_gradient_is_the_same_mask_recomputed():
     x, w = _x((8, 128)), _x((8, 128), seed=1)
     key = jax.random.key(4)
-    y, grad = jax.value_and_grad(lambda x: jnp.sum(w * dropout(x, 0.3, key)))(x)
     kept = np.asarray(dropout(x, 0.3, key)) != 0
-    np.testing.assert_allclose(grad, np.where(kept, np.asarray(w) / 0.7, 0.0), rtol=1e-6)
+    grad_fn = jax.grad(lambda x, key: jnp.sum(w * dropout(x, 0.3, key)))
+    for grad in (grad_fn(x, key), jax.jit(grad_fn)(x, key)):
+        np.testing.assert_allclose(grad, np.where(kept, np.asarray(w) / 0.7, 0.0), rtol=1e-6)
+    # Forward mode: the tangent takes the same mask.
+    _, tangent = jax.jvp(lambda x: dropout(x, 0.3, key), (x,), (w,))
+    np.testing.assert_allclose(tangent, np.where(kept, np.asarray(w) / 0.7, 0.0), rtol=1e-6)
     # The backward keeps only the key (two words) from the forward, not a mask.
     _, vjp = jax.vjp(lambda x: dropout(x, 0.3, key), x)
     residuals = [leaf for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "shape")]
     assert all(leaf.size <= 2 for leaf in residuals), [leaf.shape for leaf in residuals]
 
 
-def test_mask_is_the_same_however_the_array_is_sharded():
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
-    x = _x((16, 64))
+def test_inside_shard_map_the_indices_are_the_shards_own():
+    """Each shard draws from its own indices: the same key gives every shard the same mask (as
+    flax's dropout does), a key folded with the shard's index independent ones."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = _x((64, 32))
     key = jax.random.key(6)
-    whole = dropout(x, 0.5, key)
-    for spec in (P("d", None), P(None, "d")):
-        xs = jax.device_put(x, NamedSharding(mesh, spec))
-        np.testing.assert_array_equal(jax.jit(lambda x: dropout(x, 0.5, key))(xs), whole)
+
+    def run(per_shard_key):
+        def body(x):
+            k = jax.random.fold_in(key, jax.lax.axis_index("d")) if per_shard_key else key
+            return dropout(x, 0.5, k)
+        return np.asarray(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(x)) != 0
+
+    same, folded = run(False).reshape(8, 8, 32), run(True).reshape(8, 8, 32)
+    local = np.asarray(dropout(x[:8], 0.5, key)) != 0
+    assert all((s == local).all() for s in same)
+    assert not all((f == folded[0]).all() for f in folded[1:])
 
 
 def test_bad_arguments():
@@ -92,6 +114,10 @@ def test_bad_arguments():
         dropout(x, 1.5, jax.random.key(0))
     with pytest.raises(ValueError, match="broadcast_dims entry 2"):
         dropout(x, 0.5, jax.random.key(0), (2,))
+    with pytest.raises(ValueError, match="x must be floating point, got dtype int32"):
+        dropout(jnp.ones((2, 3), jnp.int32), 0.5, jax.random.key(0))
+    with pytest.raises(ValueError, match="must each be below 2"):
+        jax.eval_shape(lambda: dropout_keep(jnp.zeros(2, jnp.uint32), 0.5, (2**32, 1)))
 
 
 def test_module_call_as_flax_dropout():
@@ -106,8 +132,9 @@ def test_module_call_as_flax_dropout():
     np.testing.assert_array_equal(module.apply({}, x, deterministic=False, rng=key),
                                   dropout(x, 0.5, key, (1,)))
     np.testing.assert_array_equal(Dropout(0.5, deterministic=True).apply({}, x), x)
-    with pytest.raises(Exception, match="dropout"):
+    with pytest.raises(flax.errors.InvalidRngError, match='needs PRNG for "dropout"'):
         module.apply({}, x, deterministic=False)  # needs the rng stream
+    np.testing.assert_array_equal(Dropout(1.0).apply({}, x, deterministic=False), jnp.zeros_like(x))
 
     class Wrapped(nn.Module):  # inside a parent, as the layer blocks use it
         @nn.compact

@@ -9,8 +9,11 @@ backward alike (the backward recomputes it from the key; nothing is stored). On 
 layer (two hidden dropouts of [8192, 4096] per step) this is memory-bound work fused into the
 residual adds instead of a compute-bound pass of its own.
 
-The mask depends only on (key, index), so it is the same however the array is sharded, and a
-different key gives an independent mask. It is not Flax's mask for the same key.
+The mask depends only on (key, index), so it is the same however `jit` shards the array, and
+a different key gives an independent mask. Inside `shard_map` the indices are the shard's own:
+every shard given the same key draws the same mask, as with Flax (fold the shard's
+`lax.axis_index` into the key for independent ones). It is not Flax's mask for the same key.
+Reverse mode keeps only the key for the backward; forward mode (`jax.jvp`) works too.
 
     >>> y = dropout(x, 0.1, jax.random.key(0))            # x [..., H]; kept x / 0.9, else 0
     >>> y = Dropout(0.1, broadcast_dims=(1,))(x, deterministic=False)   # as flax.linen.Dropout
@@ -42,10 +45,14 @@ def dropout_keep(seed: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Ar
     """bool[shape]: which elements survive, from `seed` (uint32[2]) and each element's index.
 
     The mask is read as [rows, columns] (its last axis the columns); each element hashes its
-    row and column with the seed, so masks of more than 2**32 elements stay distinct."""
+    row and column with the seed, so masks of more than 2**32 elements stay distinct (each
+    count must be below 2**32)."""
     u = jnp.uint32
     cols = shape[-1] if shape else 1
     rows = math.prod(shape[:-1]) if shape else 1
+    if max(rows, cols) >= 2**32:  # uint32 indices would repeat the mask
+        raise ValueError(f"dropout mask of shape {shape}: rows ({rows}) and the last axis ({cols}) "
+                         f"must each be below 2**32")
     row = lax.broadcasted_iota(u, (rows, cols), 0)
     col = lax.broadcasted_iota(u, (rows, cols), 1)
     h = mix32(row * u(0x9E3779B1) + seed[0])
@@ -58,23 +65,26 @@ def _mask_shape(shape, broadcast_dims):
     return tuple(1 if d in broadcast_dims else n for d, n in enumerate(shape))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 3))
-def _apply(x, rate, seed, broadcast_dims):
+def _masked(x, seed, rate, broadcast_dims):
     keep = dropout_keep(seed, rate, _mask_shape(x.shape, broadcast_dims))
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
-def _apply_fwd(x, rate, seed, broadcast_dims):
-    return _apply(x, rate, seed, broadcast_dims), seed
+# The tangent's mask, recomputed from the seed wherever it is needed: under reverse mode the
+# only residual is the seed (the transpose recomputes the mask), and forward mode works.
+_recomputed = jax.checkpoint(_masked, policy=jax.checkpoint_policies.nothing_saveable,
+                             static_argnums=(2, 3))
 
 
-def _apply_bwd(rate, broadcast_dims, seed, g):
-    # The same mask, recomputed from the seed: nothing of the forward's mask is stored.
-    seed_cotangent = jnp.zeros(seed.shape, jax.dtypes.float0)
-    return _apply(g, rate, seed, broadcast_dims), seed_cotangent
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 3))
+def _apply(x, rate, seed, broadcast_dims):
+    return _masked(x, seed, rate, broadcast_dims)
 
 
-_apply.defvjp(_apply_fwd, _apply_bwd)
+@_apply.defjvp
+def _apply_jvp(rate, broadcast_dims, primals, tangents):
+    x, seed = primals
+    return _apply(x, rate, seed, broadcast_dims), _recomputed(tangents[0], seed, rate, broadcast_dims)
 
 
 def dropout(x: Array, rate: float, rng, broadcast_dims: Sequence[int] = ()) -> Array:
@@ -84,11 +94,14 @@ def dropout(x: Array, rate: float, rng, broadcast_dims: Sequence[int] = ()) -> A
     Args:
       x: any shape, floating dtype; the output has its shape and dtype.
       rate: the probability of dropping, in [0, 1]; 0 returns x, 1 returns zeros.
-      rng: a PRNG key (typed or raw); the mask is a function of it and each element's index.
+      rng: a PRNG key (typed or raw; unused for rate 0 or 1); the mask is a function of it and
+        each element's index.
       broadcast_dims: axes along which one decision is shared (negative counts from the end).
     """
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"rate={rate} must be in [0, 1]")
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise ValueError(f"x must be floating point, got dtype {x.dtype}")
     dims = tuple(sorted(d % x.ndim if -x.ndim <= d < x.ndim else _bad_dim(d, x.ndim)
                         for d in broadcast_dims))
     if rate == 0.0:
@@ -122,6 +135,8 @@ class Dropout(nn.Module):
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if deterministic or self.rate == 0.0:
             return inputs
+        if self.rate == 1.0:  # as flax: everything dropped, no key drawn
+            return dropout(inputs, 1.0, None, tuple(self.broadcast_dims))
         if rng is None:
             rng = self.make_rng(self.rng_collection)
         return dropout(inputs, self.rate, rng, tuple(self.broadcast_dims))
