@@ -138,6 +138,52 @@ def test_a_module_used_twice_in_one_apply_combines_by_max_without_help():
     np.testing.assert_allclose(m["x_scale"], [448.0 / amax], rtol=1e-6)
 
 
+def test_a_module_used_twice_combines_under_eager_grad_too():
+    """Eager (un-jitted) jax.grad adds the two uses' cotangents outside any trace; the combining
+    dtype's accumulation runs there as well (it raised KeyError for EArray)."""
+    small, large = _x((2, 4, 16), seed=1), 10.0 * _x((2, 4, 16), seed=2)
+    module = _Twice()
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), (small, large))
+        eager = jax.grad(lambda v: module.apply(v, (small, large)))(variables)
+        jitted = jax.jit(jax.grad(lambda v: module.apply(v, (small, large))))(variables)
+    for name in ("x_scale", "x_amax_history", "grad_scale", "kernel_amax_history"):
+        np.testing.assert_allclose(update_fp8_metas(variables, eager)["fp8_metas"]["shared"][name],
+                                   update_fp8_metas(variables, jitted)["fp8_metas"]["shared"][name],
+                                   rtol=1e-6)
+
+
+def test_te_update_collections_writes_every_collection_over_the_original():
+    """TE's update_collections(new, original): each collection of `new` replaces the original's
+    (FrozenDict kept); fp8_metas merges as update_fp8_metas (an unused quantiser keeps its state)."""
+    from flax.core import FrozenDict
+
+    module = DenseGeneral(features=8)
+    x = _x((2, 4, 16))
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), x)
+        grads = jax.jit(jax.grad(lambda v: jnp.sum(module.apply(v, x))))(variables)
+    others = {"fp8_metas": variables["fp8_metas"], "cache": {"k": jnp.zeros(3)}}
+    new = {"fp8_metas": grads["fp8_metas"], "cache": {"k": jnp.ones(3)}}
+    out = te.update_collections(new, others)
+    np.testing.assert_array_equal(out["cache"]["k"], jnp.ones(3))
+    want = update_fp8_metas(variables, grads)["fp8_metas"]
+    for leaf_out, leaf_want in zip(jax.tree.leaves(out["fp8_metas"]), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(leaf_out, leaf_want)
+    assert te.update_collections({"cache": {"k": jnp.ones(3)}}, others)["fp8_metas"] is others["fp8_metas"]
+    frozen = te.update_collections(FrozenDict(new), FrozenDict(others))
+    assert isinstance(frozen, FrozenDict) and te.NVTE_FP8_COLLECTION_NAME == "fp8_metas"
+
+
+def test_te_recipe_fields():
+    assert Format.HYBRID.value.max_fwd == 448.0 and Format.HYBRID.value.max_bwd == 57344.0
+    assert Format.E4M3.value == (448.0, 448.0)
+    assert DelayedScaling().backward_override is None
+    for recipe in (DelayedScaling, Float8CurrentScaling):
+        with pytest.raises(NotImplementedError, match="backward_override='high_precision'"):
+            recipe(backward_override="high_precision")
+
+
 def test_one_jitted_function_follows_autocast():
     """The recipe is part of jit's cache key: the same jitted function called inside and
     outside autocast (or under another recipe) is not the other's program."""

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core, dtypes, earray
+from jax._src import ad_util, core, dtypes, earray
 from jax._src.interpreters import pxla
 
 __all__ = ["fmax32", "fmin32", "to_combining", "to_float32", "is_combining"]
@@ -94,6 +95,18 @@ class _Combining(dtypes.ExtendedDType):
 
 fmax32 = _Combining(np.dtype(np.float32), "max")
 fmin32 = _Combining(np.dtype(np.float32), "min")
+
+
+def _eager_add(x, y):
+    """Autodiff's accumulation of two concrete (un-jitted) combining arrays: eager `jax.grad`
+    of a function using one state twice adds the uses' cotangents outside any trace."""
+    if not (is_combining(x) and is_combining(y)):
+        raise TypeError(f"no autodiff accumulation for {type(x).__name__} of dtype {x.dtype}")
+    return _jitted_add(x, y)
+
+
+_jitted_add = jax.jit(ad_util.add_jaxvals)
+ad_util.raw_jaxval_adders.setdefault(earray.EArray, _eager_add)
 
 
 def is_combining(x) -> bool:

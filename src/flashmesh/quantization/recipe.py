@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
@@ -24,13 +24,20 @@ __all__ = ["Format", "MMParams", "DelayedScaling", "Float8CurrentScaling", "MXFP
            "NVFP4BlockScaling", "Recipe"]
 
 
-class Format(enum.Enum):
-    """FP8 formats as (forward dtype, backward dtype); `.value` is TE's (max fwd, max bwd)."""
+class _FormatHelper(NamedTuple):
+    """A format's largest magnitudes forward and backward (TE's `Format.X.value`)."""
 
-    E4M3 = (448.0, 448.0)
-    E5M2 = (57344.0, 57344.0)
-    HYBRID = (448.0, 57344.0)
-    E2M1 = (6.0, 6.0)
+    max_fwd: float
+    max_bwd: float
+
+
+class Format(enum.Enum):
+    """FP8 formats as (forward dtype, backward dtype); `.value` is TE's (max_fwd, max_bwd)."""
+
+    E4M3 = _FormatHelper(448.0, 448.0)
+    E5M2 = _FormatHelper(57344.0, 57344.0)
+    HYBRID = _FormatHelper(448.0, 57344.0)
+    E2M1 = _FormatHelper(6.0, 6.0)
 
     @property
     def forward_dtype(self):
@@ -74,6 +81,12 @@ def _format(value: Any, name: str) -> Format:
     raise ValueError(f"{name} must be a Format (E4M3, HYBRID, ...), got {value!r}")
 
 
+def _no_backward_override(recipe) -> None:
+    if recipe.backward_override is not None:
+        raise NotImplementedError(f"backward_override={recipe.backward_override!r} is not supported: "
+                                  f"flashmesh's FP8 backward follows the recipe (None)")
+
+
 def _per_tensor_format(recipe) -> None:
     """Normalise a per-tensor recipe's fp8_format (a Format or its name); HYBRID or E4M3 only."""
     object.__setattr__(recipe, "fp8_format", _format(recipe.fp8_format, "fp8_format"))
@@ -101,6 +114,8 @@ class DelayedScaling:
       fp8_dpa: attention (DotProductAttention) also runs in FP8 (cuDNN's FP8 attention) where
         it supports the call; TE's name. Default False: attention stays in the input dtype.
       fp8_mha: accepted for compatibility (TE's JAX stack ignores it too).
+      backward_override: TE's field (None: the backward as the recipe says); any other value is
+        refused.
     """
 
     margin: int = 0
@@ -111,9 +126,11 @@ class DelayedScaling:
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Any = None
 
     def __post_init__(self):
         _per_tensor_format(self)
+        _no_backward_override(self)
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
         if (not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool)
@@ -142,7 +159,7 @@ class Float8CurrentScaling:
       use_power_2_scales: round each scale down to a power of two.
       fp8_format: Format.HYBRID (default) or Format.E4M3.
       fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: TE's MMParams, accepted and recorded.
-      fp8_dpa, fp8_mha: as in DelayedScaling.
+      fp8_dpa, fp8_mha, backward_override: as in DelayedScaling.
     """
 
     use_power_2_scales: bool = False
@@ -152,9 +169,11 @@ class Float8CurrentScaling:
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Any = None
 
     def __post_init__(self):
         _per_tensor_format(self)
+        _no_backward_override(self)
         if not isinstance(self.use_power_2_scales, bool):
             raise ValueError(f"use_power_2_scales must be a bool, got {self.use_power_2_scales!r}")
 

@@ -14,11 +14,11 @@ second implementation. `te.autocast` turns on FP8 and installs a `MeshResource`.
 import importlib
 
 from flashmesh.te import activation, attention, quantize, recipe, sharding
-from flashmesh.te.quantize import autocast, fp8_autocast, update_collections
+from flashmesh.te.quantize import NVTE_FP8_COLLECTION_NAME, autocast, fp8_autocast, update_collections
 from flashmesh.te.sharding import MeshResource
 
 __all__ = ["activation", "attention", "flax", "quantize", "recipe", "sharding", "autocast",
-           "fp8_autocast", "update_collections", "MeshResource"]
+           "fp8_autocast", "update_collections", "MeshResource", "NVTE_FP8_COLLECTION_NAME"]
 
 
 def __getattr__(name):

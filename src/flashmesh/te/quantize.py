@@ -19,10 +19,14 @@ from __future__ import annotations
 import contextlib
 
 from flashmesh.quantization.autocast import autocast as fp8_block
-from flashmesh.quantization.state import update_fp8_metas
+from flax.core import FrozenDict
+
+from flashmesh.quantization.state import COLLECTION, update_fp8_metas
 from flashmesh.te.sharding import MeshResource, global_shard_guard
 
-__all__ = ["autocast", "fp8_autocast", "update_collections"]
+__all__ = ["NVTE_FP8_COLLECTION_NAME", "autocast", "fp8_autocast", "update_collections"]
+
+NVTE_FP8_COLLECTION_NAME = COLLECTION  # TE's name of the collection: "fp8_metas"
 
 
 @contextlib.contextmanager
@@ -49,6 +53,15 @@ def fp8_autocast(enabled: bool = False, fp8_recipe=None, mesh_resource: MeshReso
 
 
 def update_collections(new: dict, original: dict) -> dict:
-    """TE's helper: `original` with the collections of `new` written over it. Given a step's
-    gradients as `new`, only `fp8_metas` is taken (see flashmesh.quantization.update_fp8_metas)."""
-    return update_fp8_metas(original, new)
+    """TE's helper: `original` with each collection of `new` written over it (a FrozenDict stays
+    one). `fp8_metas` is merged by `flashmesh.quantization.update_fp8_metas`, so a quantiser the
+    step did not use keeps its old state instead of taking a cotangent that means nothing.
+
+      >>> other_vars = update_collections(other_grads, other_vars)   # TE's training loop"""
+    out = dict(original)
+    for name, collection in new.items():
+        if name == COLLECTION and COLLECTION in out:
+            out = update_fp8_metas(out, {COLLECTION: collection})
+        else:
+            out[name] = collection
+    return FrozenDict(out) if isinstance(original, FrozenDict) else out
