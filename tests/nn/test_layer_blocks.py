@@ -121,7 +121,8 @@ def test_layernorm_dense_general_equals_composition(return_ln):
 
 
 @pytest.mark.parametrize("acts", [("gelu",), ("relu",), ("silu",), ("gelu", "linear"),
-                                  ("silu", "linear"), ("squared_relu", "linear")])
+                                  ("silu", "linear"), ("squared_relu", "linear"), ("tanh",),
+                                  ("linear", "gelu")])
 def test_layernorm_mlp_equals_composition(acts):
     x = _x()
     module = LayerNormMLP(intermediate_dim=48, activations=acts, use_bias=True, epsilon=1e-5,
@@ -131,7 +132,9 @@ def test_layernorm_mlp_equals_composition(acts):
     ln = nn.RMSNorm(epsilon=1e-5).apply({"params": {"scale": params["scale"]}}, x)
     h = _add(jnp.einsum("btd,dnf->btnf", ln, params["wi_kernel"]), params["wi_bias"])
     f = {"gelu": lambda v: nn.gelu(v, approximate=True), "relu": nn.relu, "silu": nn.silu,
-         "squared_relu": lambda v: nn.relu(v) ** 2, "linear": lambda v: v}
+         "squared_relu": lambda v: nn.relu(v) ** 2, "linear": lambda v: v, "tanh": jnp.tanh}
+    if acts[0] == "linear":  # TE reverses a pair given linear first: gelu(h0) * h1
+        acts = acts[::-1]
     a = f[acts[0]](h[..., 0, :])
     if len(acts) == 2:
         a = a * f[acts[1]](h[..., 1, :])

@@ -42,10 +42,27 @@ def _activation_names(activation_type) -> tuple[str, ...]:
     names = tuple(a.lower() if isinstance(a, str) else a for a in activation_type)
     if not 1 <= len(names) <= 2:
         raise ValueError(f"activation_type must hold one activation or a gated pair, got {activation_type!r}")
-    unknown = [a for a in names if a not in ACTIVATIONS]
+    unknown = [a for a in names if not isinstance(a, str) or _act_fn(a) is None]
     if unknown:
-        raise ValueError(f"activation_type: unknown {unknown}; expected names from {sorted(ACTIVATIONS)}")
+        raise ValueError(f"activation_type: unknown {unknown}; expected names from {sorted(ACTIVATIONS)} "
+                         f"or a flax.linen activation")
     return names
+
+
+def _act_fn(name: str):
+    """The activation of a name: flashmesh's table, else flax.linen's function of that name
+    (TE's LayerNormMLP takes any, `getattr(nn, name)`), else None."""
+    if name in ACTIVATIONS:
+        return ACTIVATIONS[name]
+    fn = getattr(nn, name, None)
+    return fn if callable(fn) and not isinstance(fn, type) else None
+
+
+def _mlp_activation_names(activations) -> tuple[str, ...]:
+    """LayerNormMLP's order, TE's: a pair given linear first, ('linear', 'gelu'), is the gated
+    pair ('gelu', 'linear'), gelu(h0) * h1 (TE reverses it before use)."""
+    names = _activation_names(activations)
+    return tuple(reversed(names)) if names[0] in ("linear", "clamped_linear") else names
 
 
 def activation(x: jax.Array, activation_type: Sequence[str] = ("gelu",), quantizer=None,
@@ -79,9 +96,9 @@ def _activation_rematerialised(x: jax.Array, names: tuple[str, ...]) -> jax.Arra
     bytes of the input (at the guide's size 0.8 GB of traffic per step: the GELU fusion of
     benchmarks/results/2026-12-02-nvidia-h200-layer/profile/ba2dd47-*.hlo)."""
     xf = x.astype(jnp.float32)
-    y = ACTIVATIONS[names[0]](xf[..., 0, :])
+    y = _act_fn(names[0])(xf[..., 0, :])
     if len(names) == 2:
-        y = y * ACTIVATIONS[names[1]](xf[..., 1, :])
+        y = y * _act_fn(names[1])(xf[..., 1, :])
     return y.astype(x.dtype)
 
 
@@ -115,7 +132,9 @@ class LayerNormMLP(nn.Module):
       kernel_axes_1, kernel_axes_2: logical axes of wi_kernel [H, n, F] and wo_kernel [F, H].
       use_bias, bias_init, bias_axes_1, bias_axes_2: wi_bias [n, F], wo_bias [H].
       return_layernorm_output: also return the normalised input (else None).
-      activations: one name or a gated pair (see `activation`); activation_params: None.
+      activations: one name or a gated pair (see `activation`); a pair given linear first,
+        ('linear', 'gelu'), is reversed as TE reverses it (gelu(h0) * h1); a name outside
+        flashmesh's table is flax.linen's function of that name (TE's rule). activation_params: None.
       intermediate_dropout_rng_name, intermediate_dropout_rate, intermediate_hidden_dropout_dims:
         dropout on the activation's output (broadcast along the given dims).
       axis: -1 only (as in TE).
@@ -173,7 +192,7 @@ class LayerNormMLP(nn.Module):
             raise NotImplementedError("callable activations: pass names (see flashmesh.nn.mlp.ACTIVATIONS)")
         if self.quantization_checkpoint_name is not None:
             raise NotImplementedError("quantization_checkpoint_name is not supported (see DenseGeneral)")
-        names = _activation_names(self.activations)
+        names = _mlp_activation_names(self.activations)
         x = inputs
         if self.enable_layernorm:
             x = input_layernorm(self, constrain(x, self.layernorm_input_axes))
