@@ -271,3 +271,27 @@ def test_logical_axes_shard_on_a_mesh():
                              is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))
     assert tuple(mesh_axes["wi_kernel"]) == (None, None, "tp")
     assert tuple(mesh_axes["wo_kernel"]) == ("tp", None)
+
+
+def test_kernel_inits_follow_te():
+    """TE draws DenseGeneral's kernel with variance_scaling(1, 'fan_in', 'truncated_normal') over
+    its whole shape (flax's default axes: [E, 3, F] has fan-in 3E) and LayerNormMLP's wi_kernel
+    block by block ([H, F] each, keys split in turn, stacked on axis -2)."""
+    E, F = 256, 512
+    x = jnp.ones((2, E))
+    kernel = DenseGeneral(features=(3, F)).init(jax.random.key(0), x)["params"]["kernel"]
+    want = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")(
+        jax.random.key(0), (E, 3, F))
+    assert kernel.shape == (E, 3, F)
+    np.testing.assert_allclose(float(kernel.std()), float(want.std()), rtol=0.02)
+    np.testing.assert_allclose(float(kernel.std()), (3 * E) ** -0.5, rtol=0.05)
+
+    init = nn.initializers.lecun_normal()
+    mlp = LayerNormMLP(intermediate_dim=F, activations=("silu", "linear"), kernel_init=init)
+    wi = mlp.init(jax.random.key(1), jnp.ones((2, 4, E)), deterministic=True)["params"]["wi_kernel"]
+    assert wi.shape == (E, 2, F)
+    # The module's init key reaches wi_kernel's init; each block is one draw of init over [E, F]
+    # with the keys TE splits, so the blocks are independent, each with fan-in E.
+    for block in (wi[:, 0], wi[:, 1]):
+        np.testing.assert_allclose(float(block.std()), E ** -0.5, rtol=0.05)
+    assert abs(float(jnp.corrcoef(wi[:, 0].ravel(), wi[:, 1].ravel())[0, 1])) < 0.02

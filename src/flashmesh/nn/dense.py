@@ -27,11 +27,11 @@ __all__ = ["dense_general", "DenseGeneral", "LayerNormDenseGeneral", "default_ke
            "constrain", "contracting_axes"]
 
 
-def default_kernel_init(n_in: int, n_out: int) -> Callable:
-    """TE's default: variance_scaling(1, 'fan_in', 'truncated_normal') over the in/out axes."""
-    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
-                                            in_axis=tuple(range(n_in)),
-                                            out_axis=tuple(range(n_in, n_in + n_out)))
+def default_kernel_init() -> Callable:
+    """TE's default: variance_scaling(1, 'fan_in', 'truncated_normal') with flax's default axes
+    (in -2, out -1, the rest receptive field), as TE applies it to the kernel's whole shape: a
+    kernel [E, 3, F] has fan-in 3E there, not E."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
 def constrain(x: jax.Array, axes) -> jax.Array:
@@ -102,7 +102,7 @@ class _Projection(nn.Module):
             x = jnp.moveaxis(x, axes, tuple(range(x.ndim - len(axes), x.ndim)))
         n_in = len(axes)
         in_shape = x.shape[x.ndim - n_in:]
-        init = self.kernel_init or default_kernel_init(n_in, len(features))
+        init = self.kernel_init or default_kernel_init()
         kernel = partitioning.param_with_axes("kernel", init, (*in_shape, *features), self.dtype,
                                               axes=tuple(self.kernel_axes), module=self)
         recipe, state = qstate.gemm_state(self, postfix)
@@ -123,7 +123,7 @@ class _Projection(nn.Module):
         axes = tuple(self.kernel_axes)
         in_axes, out_axes = (axes[:len(in_shape)], axes[len(in_shape):]) if axes else ((), ())
         a = partitioning.param_with_axes(
-            "lora_a_kernel", default_kernel_init(len(in_shape), len(lead) + 1), (*in_shape, *lead, r),
+            "lora_a_kernel", self.kernel_init or default_kernel_init(), (*in_shape, *lead, r),
             self.dtype, axes=(*in_axes, *out_axes[:-1], "lora") if axes else (), module=self)
         b = partitioning.param_with_axes(
             "lora_b_kernel", nn.initializers.zeros, (*lead, r, features[-1]), self.dtype,
@@ -149,7 +149,9 @@ class DenseGeneral(_Projection):
 
     Attributes:
       features: output shape (int or tuple); kernel is [x.shape[axis]..., features...].
-      kernel_init: None = variance_scaling(1, 'fan_in', 'truncated_normal').
+      kernel_init: None = variance_scaling(1, 'fan_in', 'truncated_normal') over the kernel's
+        shape with flax's default axes, as TE (a [E, 3, F] kernel has fan-in 3E); LoRA's A
+        kernel takes it too.
       kernel_axes, bias_axes: logical axis names of kernel and bias.
       use_bias: add `bias` [features...] (TE's default True).
       bias_init: the bias initialiser.

@@ -58,6 +58,19 @@ def _act_fn(name: str):
     return fn if callable(fn) and not isinstance(fn, type) else None
 
 
+def _per_block(init: Callable, n: int) -> Callable:
+    """TE's `kernel_1_init`: wi_kernel [H, n, F] as n independent draws of `init` over [H, F]
+    (each block its own fan-in H), keys split in turn, stacked on axis -2."""
+    def draw(key, shape, dtype):
+        H, _, F = shape
+        blocks = []
+        for _ in range(n):
+            key, block_key = jax.random.split(key)
+            blocks.append(init(block_key, (H, F), dtype))
+        return jnp.stack(blocks, axis=-2).astype(dtype)
+    return draw
+
+
 def _mlp_activation_names(activations) -> tuple[str, ...]:
     """LayerNormMLP's order, TE's: a pair given linear first, ('linear', 'gelu'), is the gated
     pair ('gelu', 'linear'), gelu(h0) * h1 (TE reverses it before use)."""
@@ -128,7 +141,8 @@ class LayerNormMLP(nn.Module):
       intermediate_dim: F, the hidden width.
       enable_layernorm, layernorm_type, epsilon, zero_centered_gamma, scale_init, scale_axes,
         ln_bias_init, ln_bias_axes: the LayerNorm (params `scale`, `ln_bias`).
-      kernel_init: None = variance_scaling(1, 'fan_in', 'truncated_normal').
+      kernel_init: None = variance_scaling(1, 'fan_in', 'truncated_normal'); wi_kernel's blocks
+        [H, F] are drawn one by one (TE's kernel_1_init).
       kernel_axes_1, kernel_axes_2: logical axes of wi_kernel [H, n, F] and wo_kernel [F, H].
       use_bias, bias_init, bias_axes_1, bias_axes_2: wi_bias [n, F], wo_bias [H].
       return_layernorm_output: also return the normalised input (else None).
@@ -200,7 +214,8 @@ class LayerNormMLP(nn.Module):
         hidden, n, F = x.shape[-1], len(names), self.intermediate_dim
 
         x = constrain(x, self.dot_1_input_axes)
-        wi = self._param("wi_kernel", self.kernel_init or default_kernel_init(1, 2), (hidden, n, F),
+        wi_init = _per_block(self.kernel_init or default_kernel_init(), n)
+        wi = self._param("wi_kernel", wi_init, (hidden, n, F),
                          self.kernel_axes_1)
         recipe, state = qstate.gemm_state(self, "_0")
         wi_bias = self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1) if self.use_bias else None
@@ -221,7 +236,7 @@ class LayerNormMLP(nn.Module):
                     rng_collection=self.intermediate_dropout_rng_name)(a, deterministic=deterministic)
 
         a = constrain(a, self.dot_2_input_axes)
-        wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(1, 1), (F, hidden),
+        wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(), (F, hidden),
                          self.kernel_axes_2)
         recipe, state = qstate.gemm_state(self, "_1")
         wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2) if self.use_bias else None
