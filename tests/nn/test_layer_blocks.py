@@ -142,6 +142,30 @@ def test_layernorm_mlp_equals_composition(acts):
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5 * float(jnp.abs(expected).max()))
 
 
+def test_layernorm_mlp_lora_equals_composition():
+    """TE's LoRA on both GEMMs: h += x A B * alpha / r per gated block, out += a A' B' * alpha / r."""
+    x = _x()
+    module = LayerNormMLP(intermediate_dim=48, activations=("silu", "linear"), use_bias=True,
+                          enable_low_rank_adaptation=True, low_rank_adaptation_dim=3,
+                          low_rank_adaptation_alpha=6.0)
+    params = _randomise(module.init(jax.random.key(0), x, deterministic=True)["params"])
+    assert params["wi_lora_a_kernel"].shape == (32, 2, 3) and params["wi_lora_b_kernel"].shape == (2, 3, 48)
+    assert params["wo_lora_a_kernel"].shape == (48, 3) and params["wo_lora_b_kernel"].shape == (3, 32)
+    y, _ = module.apply({"params": params}, x, deterministic=True)
+    ln = nn.LayerNorm(epsilon=1e-6).apply({"params": {"scale": params["scale"], "bias": params["ln_bias"]}}, x)
+    h = _add(jnp.einsum("btd,dnf->btnf", ln, params["wi_kernel"]), params["wi_bias"])
+    h = h + 2.0 * jnp.einsum("btd,dnr,nrf->btnf", ln, params["wi_lora_a_kernel"], params["wi_lora_b_kernel"])
+    a = nn.silu(h[..., 0, :]) * h[..., 1, :]
+    expected = (_add(a @ params["wo_kernel"], params["wo_bias"])
+                + 2.0 * (a @ params["wo_lora_a_kernel"] @ params["wo_lora_b_kernel"]))
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5 * float(jnp.abs(expected).max()))
+    zero_b = module.init(jax.random.key(0), x, deterministic=True)  # B at zero: no change
+    plain = LayerNormMLP(intermediate_dim=48, activations=("silu", "linear"), use_bias=True)
+    kept = {k: v for k, v in zero_b["params"].items() if "lora" not in k}
+    np.testing.assert_allclose(module.apply(zero_b, x, deterministic=True)[0],
+                               plain.apply({"params": kept}, x, deterministic=True)[0], rtol=1e-6)
+
+
 def test_layernorm_mlp_intermediate_dropout():
     x = _x()
     module = LayerNormMLP(intermediate_dim=64, intermediate_dropout_rate=0.5)

@@ -237,8 +237,8 @@ def test_bad_calls():
         jax.eval_shape(lambda k: _layer().init(k, x, decode=True), jax.random.key(0))
     with pytest.raises(ValueError, match="encoded"):
         jax.eval_shape(lambda k: _layer(layer_type=DECODER).init(k, x), jax.random.key(0))
-    with pytest.raises(NotImplementedError, match="MLP"):
-        jax.eval_shape(lambda k: _layer(low_rank_adaptation_scope="all").init(k, x),
+    with pytest.raises(ValueError, match="low_rank_adaptation_scope='everything'"):
+        jax.eval_shape(lambda k: _layer(low_rank_adaptation_scope="everything").init(k, x),
                        jax.random.key(0))
     with pytest.raises(ValueError, match="multiple"):
         jax.eval_shape(lambda k: TransformerLayer(hidden_size=E, num_attention_heads=5).init(k, x),
@@ -296,3 +296,15 @@ def test_reproducible_reaches_every_attention_call(monkeypatch):
     out = layer.apply(variables, x, enc, deterministic=True)
     assert seen == [True, True]
     np.testing.assert_array_equal(out, _layer(layer_type=DECODER).apply(variables, x, enc, deterministic=True))
+
+
+@pytest.mark.parametrize("scope,mlp", [("all", True), ("exclude_mlp", False), ("mlp", True)])
+def test_lora_scope_reaches_the_mlp(scope, mlp):
+    """TE's scopes: 'all' and 'mlp' give the MLP its four LoRA kernels, 'exclude_mlp' none."""
+    x = _x(2)
+    layer = _layer(low_rank_adaptation_scope=scope, low_rank_adaptation_dim=4)
+    params = jax.eval_shape(lambda k: layer.init(k, x), jax.random.key(0))["params"]["mlp"]
+    names = {"wi_lora_a_kernel", "wi_lora_b_kernel", "wo_lora_a_kernel", "wo_lora_b_kernel"}
+    assert (names <= set(params)) if mlp else not (names & set(params))
+    if mlp:
+        assert params["wi_lora_a_kernel"].shape == (E, 1, 4) and params["wo_lora_b_kernel"].shape == (4, E)

@@ -151,6 +151,10 @@ class LayerNormMLP(nn.Module):
         flashmesh's table is flax.linen's function of that name (TE's rule). activation_params: None.
       intermediate_dropout_rng_name, intermediate_dropout_rate, intermediate_hidden_dropout_dims:
         dropout on the activation's output (broadcast along the given dims).
+      enable_low_rank_adaptation, low_rank_adaptation_dim (32), low_rank_adaptation_alpha (None):
+        TE's LoRA on both GEMMs (wi_lora_a_kernel [H, n, r], wi_lora_b_kernel [n, r, F],
+        wo_lora_a_kernel [F, r], wo_lora_b_kernel [r, H]; B starts at zero), added in the
+        input's dtype beside the (FP8 under autocast) GEMMs, scaled by alpha / r.
       axis: -1 only (as in TE).
       dtype: the parameters' dtype; GEMMs run in the input's dtype, or FP8 under autocast.
       layernorm_input_axes, dot_1_input_axes, dot_2_input_axes: logical sharding constraints.
@@ -185,6 +189,9 @@ class LayerNormMLP(nn.Module):
     intermediate_dropout_rng_name: str = "dropout"
     intermediate_dropout_rate: float = 0.0
     intermediate_hidden_dropout_dims: Sequence[int] = ()
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: float | None = None
     axis: int = -1
     dtype: Any = jnp.float32
     layernorm_input_axes: tuple[str, ...] | None = None
@@ -197,6 +204,22 @@ class LayerNormMLP(nn.Module):
 
     def _param(self, name, init, shape, axes):
         return partitioning.param_with_axes(name, init, shape, self.dtype, axes=tuple(axes), module=self)
+
+    def _lora(self, x, prefix, a_lead, b_out, a_axes, b_axes, blocks):
+        """TE's LayerNormMLP low-rank adaptation: `{prefix}_lora_a_kernel` [in, lead..., r] (the
+        kernel_init, block by block for wi as its kernel) and `{prefix}_lora_b_kernel`
+        [lead..., r, out] (zeros); x A B * alpha / r (1 without alpha), in x's dtype, not FP8."""
+        r = self.low_rank_adaptation_dim
+        init = self.kernel_init or default_kernel_init()
+        a_init = _per_block(init, blocks) if blocks else init
+        a = self._param(f"{prefix}_lora_a_kernel", a_init, (*a_lead, r), (*a_axes, "lora"))
+        b = self._param(f"{prefix}_lora_b_kernel", nn.initializers.zeros, (*b_out[:-1], r, b_out[-1]),
+                        (*b_axes[:-1], "lora", b_axes[-1]))
+        a, b = a.astype(x.dtype), b.astype(x.dtype)
+        y = (jnp.einsum("...h,hnr,nrf->...nf", x, a, b) if blocks else
+             jnp.einsum("...f,fr,rh->...h", x, a, b))
+        alpha = self.low_rank_adaptation_alpha
+        return y if alpha is None else y * jnp.asarray(alpha / r, y.dtype)
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False):
@@ -220,6 +243,8 @@ class LayerNormMLP(nn.Module):
         recipe, state = qstate.gemm_state(self, "_0")
         wi_bias = self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1) if self.use_bias else None
         h = dense_general(x, wi, 1, recipe, state, wi_bias)            # [..., n, F]
+        if self.enable_low_rank_adaptation:  # TE's: x A B * alpha / r beside the GEMM, one per block
+            h = h + self._lora(x, "wi", (hidden, n), (n, F), ("embed", "act"), ("act", "mlp"), n)
         h = checkpoint_name(h, self.ffn1_ckpt_name)
         fp8 = recipe is not None
         # Under FP8 the activation's float32 arithmetic met the FP8 GEMMs' amax-and-quantise
@@ -241,5 +266,7 @@ class LayerNormMLP(nn.Module):
         recipe, state = qstate.gemm_state(self, "_1")
         wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2) if self.use_bias else None
         y = dense_general(a, wo, 1, recipe, state, wo_bias)
+        if self.enable_low_rank_adaptation:
+            y = y + self._lora(a, "wo", (F,), (hidden,), ("mlp",), ("embed",), None)
         y = checkpoint_name(y, self.ffn2_ckpt_name)
         return y, ln_out

@@ -70,8 +70,8 @@ class TransformerLayer(nn.Module):
         called (q_len, k_len, bidirectional) -> [1, N, T, S]).
       enable_rotary_pos_emb (False), rotary_pos_emb_windows ((1, 10000)),
         rotary_pos_emb_group_method ('consecutive').
-      low_rank_adaptation_scope ('none'), _dim (32), _alpha (None): LoRA on the attention
-        projections (the MLP's LoRA is not supported: NotImplementedError).
+      low_rank_adaptation_scope ('none'), _dim (32), _alpha (None): TE's LoRA on the attention
+        projections and the MLP's two GEMMs, as the scope names them ('all', 'mlp', ...).
       dtype (float32): the parameters' dtype; computation follows the inputs'.
       drop_path (0.0), fuse_qkv_params (True), transpose_batch_sequence (False),
       enable_sequence_parallel (False; True raises NotImplementedError), scale_attn_logits
@@ -153,11 +153,6 @@ class TransformerLayer(nn.Module):
             raise ValueError("decode=True needs layer_type=TransformerLayerType.DECODER")
         if decoder and encoded is None:
             raise ValueError("layer_type=DECODER needs encoded= (the encoder's output)")
-        if "mlp" in lora_scope(self.low_rank_adaptation_scope):
-            raise NotImplementedError(
-                f"low_rank_adaptation_scope={self.low_rank_adaptation_scope!r} adapts the MLP, "
-                "and flashmesh's LayerNormMLP has no LoRA; use 'qkv_proj', 'output_proj' or "
-                "'exclude_mlp'")
         if any(not -inputs.ndim <= d < inputs.ndim for d in self.hidden_dropout_dims):
             raise ValueError(f"hidden_dropout_dims={tuple(self.hidden_dropout_dims)} must be "
                              f"axes of the {inputs.ndim}-D input")
@@ -258,6 +253,9 @@ class TransformerLayer(nn.Module):
             intermediate_dropout_rng_name=self.dropout_rng_name,
             intermediate_dropout_rate=self.intermediate_dropout,
             intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
+            enable_low_rank_adaptation="mlp" in lora_scope(self.low_rank_adaptation_scope),
+            low_rank_adaptation_dim=self.low_rank_adaptation_dim,
+            low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
             dtype=self.dtype, transpose_batch_sequence=self.transpose_batch_sequence,
             name="mlp")(x, deterministic=deterministic)
         z = self._dropout(z, deterministic, drop_path=True) + self._residual(x, ln_out)
