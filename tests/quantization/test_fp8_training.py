@@ -138,6 +138,24 @@ def test_a_module_used_twice_in_one_apply_combines_by_max_without_help():
     np.testing.assert_allclose(m["x_scale"], [448.0 / amax], rtol=1e-6)
 
 
+@pytest.mark.parametrize("first", ["zeros", "inf"])
+def test_a_use_whose_amax_keeps_the_scale_does_not_decide_the_combination(first):
+    """One pass over both uses: with one use all zeros, the other use's scale (the zero use
+    alone would keep the old scale, 1 at the first step, and min would have picked it); with one
+    use non-finite, the old scale (as one pass's inf amax keeps it)."""
+    other = 10.0 * _x((2, 4, 16), seed=2)
+    odd = jnp.zeros_like(other) if first == "zeros" else other.at[0, 0, 0].set(jnp.inf)
+    module = _Twice()
+    with te.autocast(enabled=True, recipe=R):
+        variables = module.init(jax.random.key(0), (odd, other))
+        grads = jax.jit(jax.grad(lambda v: module.apply(v, (odd, other))))(variables)
+    m = update_fp8_metas(variables, grads)["fp8_metas"]["shared"]
+    want = 448.0 / float(jnp.abs(other).max()) if first == "zeros" else 1.0
+    np.testing.assert_allclose(m["x_scale"], [want], rtol=1e-6)
+    # What the step returns is a usable scale by itself (TE's loops write it over the state).
+    assert np.isfinite(np.asarray(grads["fp8_metas"]["shared"]["x_scale"])).all()
+
+
 def test_a_module_used_twice_combines_under_eager_grad_too():
     """Eager (un-jitted) jax.grad adds the two uses' cotangents outside any trace; the combining
     dtype's accumulation runs there as well (it raised KeyError for EArray)."""

@@ -114,10 +114,31 @@ def is_combining(x) -> bool:
 
 
 def to_combining(x, dtype: _Combining):
-    """`x` (float32) viewed in a combining dtype; unchanged if it already is one."""
+    """`x` (float32) viewed in a combining dtype; unchanged if it already is one. A scale's
+    view (fmin32) resolves its combined cotangent: a value that is not a scale (the uses'
+    +inf / -inf of `scaling.update(combining=True)`, or +inf where no use reached it) becomes
+    the old scale, so what leaves the view is always a usable scale."""
     if is_combining(x):
         return x
-    return lax.convert_element_type(jnp.asarray(x, jnp.float32), dtype)
+    x = jnp.asarray(x, jnp.float32)
+    return _scale_view(x) if dtype == fmin32 else lax.convert_element_type(x, dtype)
+
+
+@jax.custom_vjp
+def _scale_view(x):
+    return lax.convert_element_type(x, fmin32)
+
+
+def _scale_view_fwd(x):
+    return _scale_view(x), x
+
+
+def _scale_view_bwd(old, g):
+    g = lax.convert_element_type(g, jnp.float32)
+    return (jnp.where(jnp.isfinite(g) & (g > 0), g, old),)
+
+
+_scale_view.defvjp(_scale_view_fwd, _scale_view_bwd)
 
 
 def to_float32(x):

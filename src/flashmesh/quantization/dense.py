@@ -104,7 +104,8 @@ def _new_state(state, amaxes, maxes, recipe):
     for name, (scale, history) in state.items():
         new_scale, new_history = scaling.update(combine.to_float32(scale),
                                                 combine.to_float32(history),
-                                                amaxes[name], maxes[name], recipe)
+                                                amaxes[name], maxes[name], recipe,
+                                                combining=combine.is_combining(scale))
         out[name] = (lax.convert_element_type(new_scale, scale.dtype),
                      lax.convert_element_type(new_history, history.dtype))
     return out

@@ -68,12 +68,20 @@ def current_scale(amax_now: jax.Array, fp8_max: float, recipe: Float8CurrentScal
 
 
 def update(scale: jax.Array, history: jax.Array, amax_now: jax.Array, fp8_max: float,
-           recipe: DelayedScaling) -> tuple[jax.Array, jax.Array]:
-    """The delayed-scaling update of one tensor: (scale [1], history [L]) -> the next ones."""
+           recipe: DelayedScaling, *, combining: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The delayed-scaling update of one tensor: (scale [1], history [L]) -> the next ones.
+
+    Where the reference amax is 0 or not finite the old scale is kept. With `combining` (the
+    state is one use of several, combined by min: flashmesh.quantization.combine) the kept scale
+    is left to the combination instead: +inf (min's identity) for a zero amax, so another use's
+    scale wins as one pass over both would give it, and -inf (absorbing) for a non-finite one,
+    so the combination keeps the old scale; the view resolves both to the old scale."""
     history = history.astype(jnp.float32).at[0].set(amax_now.astype(jnp.float32).reshape(()))
     ref = jnp.max(history) if recipe.amax_compute_algo == "max" else history[0]
     ok = (ref > 0) & jnp.isfinite(ref)
     fresh = fp8_max / jnp.where(ok, ref, 1.0) / (2.0 ** recipe.margin)
-    new_scale = jnp.where(ok, fresh, scale.astype(jnp.float32).reshape(())).reshape(1)
+    kept = (jnp.where(ref == 0, jnp.inf, -jnp.inf) if combining
+            else scale.astype(jnp.float32).reshape(()))
+    new_scale = jnp.where(ok, fresh, kept).reshape(1)
     new_history = jnp.roll(history, -1).at[0].set(0.0)
     return new_scale, new_history

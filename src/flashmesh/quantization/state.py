@@ -114,7 +114,12 @@ def update_fp8_metas(variables: dict, grads: dict) -> dict:
         if candidate is None:
             out[path] = combine.to_float32(new[path])
             continue
-        used = jnp.all(jnp.isfinite(candidate) & (candidate > 0))
+        # Unused: a float32 state's cotangent is 0; a viewed state's history comes back as max's
+        # identity, -inf everywhere (its scale's view has resolved to the old scale).
+        history_path = path[:-1] + (f"{prefix}_amax_history",)
+        reached = (~jnp.all(jnp.isneginf(combine.to_float32(new[history_path])))
+                   if history_path in new else True)
+        used = jnp.all(jnp.isfinite(candidate) & (candidate > 0)) & reached
         out[path] = jnp.where(used, combine.to_float32(new[path]).astype(value.dtype), value)
     result = dict(variables)
     result[COLLECTION] = traverse_util.unflatten_dict(out)
@@ -160,7 +165,10 @@ def _combine(path, a, b):
 def accumulate_gradients(total: Any, new: Any) -> Any:
     """Sum of two steps' gradients (microbatches), with the FP8 state combined, not summed:
     amax histories by elementwise max, scales by min (the state one pass over both
-    microbatches gives). `total` may be None for the first microbatch."""
+    microbatches gives). `total` may be None for the first microbatch. Each microbatch's
+    state is already a usable scale: one whose amax was 0 brings the old scale, which the min
+    may keep for a step where one pass would take the other's; `combine_by_max` over the
+    microbatches inside one loss combines before that and matches one pass exactly."""
     if total is None:
         return new
     out = {}
