@@ -348,3 +348,16 @@ def test_bad_configuration():
         _shapes(MultiHeadAttention(head_dim=H, num_attention_heads=N, enable_sequence_parallel=True), x)
     with pytest.raises(NotImplementedError, match="score_mod"):
         _shapes(MultiHeadAttention(head_dim=H, num_attention_heads=N, score_mod=lambda s: s), x)
+
+
+def test_te_deprecated_fields_as_te_handles_them():
+    """num_heads / dropout_rate set their replacements; apply_residual_connection_post_layernorm
+    and fuse_qkv only warn; output_layernorm is refused (all as TE's MultiHeadAttention)."""
+    with pytest.warns(DeprecationWarning) as caught:
+        mha = MultiHeadAttention(head_dim=8, num_attention_heads=2, num_heads=4, dropout_rate=0.2)
+    assert mha.num_attention_heads == 4 and mha.attention_dropout == 0.2
+    assert ["num_heads" in str(w.message) for w in caught] == [True, False]
+    with pytest.warns(DeprecationWarning, match="fuse_qkv is deprecated and has no effect"):
+        MultiHeadAttention(head_dim=8, num_attention_heads=2, fuse_qkv=False)
+    with pytest.raises(ValueError, match="output_layernorm is deprecated"):
+        MultiHeadAttention(head_dim=8, num_attention_heads=2, output_layernorm=True)

@@ -43,6 +43,7 @@ therefore differ from TE's in decode. The caller keeps cache_index + T <= L.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -212,6 +213,31 @@ class MultiHeadAttention(nn.Module):
     score_mod: Callable | None = None
     score_mod_bprop: Callable | None = None
     reproducible: bool = False
+    # TE's deprecated fields, handled as TE handles them (DeprecationWarning each): num_heads and
+    # dropout_rate set num_attention_heads and attention_dropout; apply_residual_connection_
+    # post_layernorm and fuse_qkv only warn (their replacements are return_layernorm_output and
+    # fuse_qkv_params); output_layernorm must stay None.
+    num_heads: int | None = None
+    dropout_rate: float | None = None
+    output_layernorm: bool | None = None
+    apply_residual_connection_post_layernorm: bool | None = None
+    fuse_qkv: bool | None = None
+
+    def __post_init__(self):
+        for old, new in (("num_heads", "num_attention_heads"), ("dropout_rate", "attention_dropout")):
+            if getattr(self, old) is not None:
+                object.__setattr__(self, new, getattr(self, old))
+                warnings.warn(f"MultiHeadAttention.{old} is deprecated (as in TE): use {new}",
+                              DeprecationWarning, stacklevel=3)
+        for old, new in (("apply_residual_connection_post_layernorm", "return_layernorm_output"),
+                         ("fuse_qkv", "fuse_qkv_params")):
+            if getattr(self, old) is not None:
+                warnings.warn(f"MultiHeadAttention.{old} is deprecated and has no effect (as in TE): "
+                              f"use {new}", DeprecationWarning, stacklevel=3)
+        if self.output_layernorm is not None:
+            raise ValueError("MultiHeadAttention.output_layernorm is deprecated (TE refuses it too): "
+                             "use input_layernorm to choose whether a layernorm is applied")
+        super().__post_init__()
 
     # -- projections ---------------------------------------------------------------------------
     def _init(self) -> Callable:
