@@ -72,8 +72,11 @@ def _masked(x, seed, rate, broadcast_dims):
 
 # The tangent's mask, recomputed from the seed wherever it is needed: under reverse mode the
 # only residual is the seed (the transpose recomputes the mask), and forward mode works.
+# prevent_cse=False: no optimization barrier on the cotangent, which would keep XLA from
+# fusing the backward's mask into the cotangent's producer (the backward is then the same
+# program as a hand-written recomputation).
 _recomputed = jax.checkpoint(_masked, policy=jax.checkpoint_policies.nothing_saveable,
-                             static_argnums=(2, 3))
+                             static_argnums=(2, 3), prevent_cse=False)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 3))
