@@ -90,9 +90,9 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
 
     Taken: dropout (cuDNN cannot draw flashmesh's mask), windows narrow enough for the window
     kernel (measured faster than cuDNN), head dim 64 full or causal self-attention (T == S, no
-    segments, no wider window) where the backward is the fused kernel (the table's causal entry, and full attention up to
-    128: measured faster than cuDNN on the three d64 anchors, fwd and fwd+bwd,
-    benchmarks/results/2026-12-02-nvidia-h200-anchors-2), packed documents in self-attention
+    segments, no wider window) where the backward is the fused kernel (the table's causal
+    entry, and full attention up to 128: measured faster than cuDNN on the three d64 anchors,
+    fwd and fwd+bwd, benchmarks/results/2026-12-02-nvidia-h200-anchors-2), packed documents in self-attention
     (16 causal documents of 4096 tokens in one 64k row, GQA 32:8, d128: 0.96x cuDNN's time fwd
     and 0.89x fwd+bwd, with 3.3 GiB where cuDNN's fwd+bwd took 36.5,
     benchmarks/results/2026-12-02-nvidia-h200-anchors-3; one shape measured: the rule takes

@@ -14,6 +14,6 @@ from flashmesh.nn.relative import RelativePositionBiases
 from flashmesh.nn.rotary import rotary_pos_emb
 from flashmesh.nn.transformer import TransformerLayer, TransformerLayerType
 
-__all__ = ["DotProductAttention", "DenseGeneral", "Dropout", "dropout", "LayerNormDenseGeneral", "LayerNorm",
-           "LayerNormMLP", "activation", "dense_general", "layernorm", "MultiHeadAttention",
+__all__ = ["DotProductAttention", "DenseGeneral", "Dropout", "dropout", "LayerNormDenseGeneral",
+           "LayerNorm", "LayerNormMLP", "activation", "dense_general", "layernorm", "MultiHeadAttention",
            "RelativePositionBiases", "TransformerLayer", "TransformerLayerType", "rotary_pos_emb"]

@@ -138,8 +138,6 @@ class Dropout(nn.Module):
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if deterministic or self.rate == 0.0:
             return inputs
-        if self.rate == 1.0:  # as flax: everything dropped, no key drawn
-            return dropout(inputs, 1.0, None, tuple(self.broadcast_dims))
-        if rng is None:
+        if rng is None and self.rate < 1.0:  # rate 1 drops everything and draws no key (flax)
             rng = self.make_rng(self.rng_collection)
         return dropout(inputs, self.rate, rng, tuple(self.broadcast_dims))

@@ -67,7 +67,7 @@ def _per_block(init: Callable, n: int) -> Callable:
         for _ in range(n):
             key, block_key = jax.random.split(key)
             blocks.append(init(block_key, (H, F), dtype))
-        return jnp.stack(blocks, axis=-2).astype(dtype)
+        return jnp.stack(blocks, axis=-2)
     return draw
 
 
@@ -75,7 +75,7 @@ def _mlp_activation_names(activations) -> tuple[str, ...]:
     """LayerNormMLP's order, TE's: a pair given linear first, ('linear', 'gelu'), is the gated
     pair ('gelu', 'linear'), gelu(h0) * h1 (TE reverses it before use)."""
     names = _activation_names(activations)
-    return tuple(reversed(names)) if names[0] in ("linear", "clamped_linear") else names
+    return names[::-1] if names[0] == "linear" else names
 
 
 def activation(x: jax.Array, activation_type: Sequence[str] = ("gelu",), quantizer=None,

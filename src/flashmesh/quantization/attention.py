@@ -474,11 +474,7 @@ def _fp8_attention_bwd(cfg: _Config, residuals, g):
     for t in TENSORS:
         scale, history = state[t]
         fp8_max = fmt.max_fwd if t in ("q", "k", "v", "s", "o") else fmt.max_bwd
-        new_scale, new_history = scaling.update(combine.to_float32(scale), combine.to_float32(history),
-                                                amaxes[t], fp8_max, cfg.recipe,
-                                                combining=combine.is_combining(scale))
-        new_state[t] = (lax.convert_element_type(new_scale, scale.dtype),
-                        lax.convert_element_type(new_history, history.dtype))
+        new_state[t] = scaling.update_state(scale, history, amaxes[t], fp8_max, cfg.recipe)
     return (*grads, new_state)
 
 

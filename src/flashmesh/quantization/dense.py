@@ -14,8 +14,8 @@ The quantised x is saved transposed (xqT, one byte per element) and the kernel i
 layouts, so nothing is re-quantised in the backward. Each tensor's two layouts and its amax
 come from `layouts.quantize_both`: one Pallas cast-transpose kernel on a lone CUDA device, XLA's
 quantise fusion and a uint32-word transpose elsewhere (XLA's own transpose of a one-byte array
-ran at about 0.6 TB/s on the H200). Each result is multiplied by
-the two operands' inverse scales in the output dtype, which cuBLASLt takes as its alpha.
+ran at about 0.6 TB/s on the H200). Each result is multiplied by the two operands' inverse
+scales in the output dtype, which cuBLASLt takes as its alpha.
 
 State (DelayedScaling): {"x": (scale, history), "kernel": ..., "grad": ...}; the updated state
 is returned as the cotangent of `state` (TE's convention, see `flashmesh.quantization.state`).
@@ -100,15 +100,8 @@ def _new_state(state, amaxes, maxes, recipe):
     """The updated state in the state's own (combining) dtypes: its cotangent."""
     if not isinstance(recipe, DelayedScaling):
         return None
-    out = {}
-    for name, (scale, history) in state.items():
-        new_scale, new_history = scaling.update(combine.to_float32(scale),
-                                                combine.to_float32(history),
-                                                amaxes[name], maxes[name], recipe,
-                                                combining=combine.is_combining(scale))
-        out[name] = (lax.convert_element_type(new_scale, scale.dtype),
-                     lax.convert_element_type(new_history, history.dtype))
-    return out
+    return {name: scaling.update_state(scale, history, amaxes[name], maxes[name], recipe)
+            for name, (scale, history) in state.items()}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

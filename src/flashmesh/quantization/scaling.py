@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashmesh.attention.varying import varying_axes
+from flashmesh.quantization import combine
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 
-__all__ = ["amax", "local_amax", "reduce_amax", "quantize", "update", "current_scale"]
+__all__ = ["amax", "local_amax", "reduce_amax", "quantize", "update", "update_state", "current_scale"]
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -85,3 +86,14 @@ def update(scale: jax.Array, history: jax.Array, amax_now: jax.Array, fp8_max: f
     new_scale = jnp.where(ok, fresh, kept).reshape(1)
     new_history = jnp.roll(history, -1).at[0].set(0.0)
     return new_scale, new_history
+
+
+def update_state(scale: jax.Array, history: jax.Array, amax_now: jax.Array, fp8_max: float,
+                 recipe: DelayedScaling) -> tuple[jax.Array, jax.Array]:
+    """`update` of one quantiser's state as a module holds it (float32, or viewed in the
+    combining dtypes): the next (scale, history) in the same dtypes, the cotangent a GEMM's or
+    attention's backward returns; a viewed scale leaves a kept scale to the combination."""
+    new_scale, new_history = update(combine.to_float32(scale), combine.to_float32(history), amax_now,
+                                    fp8_max, recipe, combining=combine.is_combining(scale))
+    return (lax.convert_element_type(new_scale, scale.dtype),
+            lax.convert_element_type(new_history, history.dtype))
