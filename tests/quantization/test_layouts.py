@@ -112,10 +112,10 @@ def test_quantize_both_automatic_choice(monkeypatch):
     for a, b in zip(jax.jit(inside)(x, scale), want[:2]):
         np.testing.assert_array_equal(_bytes(a), _bytes(b))
     with jax.set_mesh(mesh):
-        assert layouts._one_device_program()  # a mesh of one device is one device
+        assert layouts.one_device_program()  # a mesh of one device is one device
     with jax.set_mesh(jax.make_mesh((2,), ("d",), devices=jax.devices()[:2],
                                     axis_types=(jax.sharding.AxisType.Auto,))):
-        assert not layouts._one_device_program()
+        assert not layouts.one_device_program()
     assert layouts.kernel_fits(x) and not layouts.kernel_fits(x[:, :100])
     assert not layouts.kernel_fits(x.astype(jnp.int8))
 

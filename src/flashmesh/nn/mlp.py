@@ -23,7 +23,10 @@ from jax.ad_checkpoint import checkpoint_name
 from flashmesh.nn.dense import constrain, default_kernel_init, dense_general
 from flashmesh.nn.dropout import Dropout
 from flashmesh.nn.layernorm import input_layernorm
+from flashmesh.quantization import layouts
 from flashmesh.quantization import state as qstate
+from flashmesh.quantization.mlp import fp8_mlp
+from flashmesh.quantization.recipe import DelayedScaling
 
 __all__ = ["ACTIVATIONS", "activation", "LayerNormMLP"]
 
@@ -221,6 +224,36 @@ class LayerNormMLP(nn.Module):
         alpha = self.low_rank_adaptation_alpha
         return y if alpha is None else y * jnp.asarray(alpha / r, y.dtype)
 
+    def _fused(self, x, recipe, names, deterministic) -> bool:
+        """Whether the FP8 MLP runs as one `quantization.mlp.fp8_mlp` (activation fused with
+        the quantisations): DelayedScaling, activations from flashmesh's table, no LoRA, no
+        active intermediate dropout, and no Explicit mesh axes or `shard_map` around the call
+        (whose shardings and sums `dense` handles)."""
+        if not isinstance(recipe, DelayedScaling) or self.enable_low_rank_adaptation:
+            return False
+        if self.intermediate_dropout_rate > 0 and not deterministic:
+            return False
+        if any(name not in ACTIVATIONS for name in names):
+            return False
+        mesh = jax.sharding.get_abstract_mesh()
+        return not layouts.typed_sharding(x) and (mesh.empty or not mesh.manual_axes)
+
+    def _fused_call(self, x, wi, wi_bias, recipe, state_0, names):
+        """The FP8 MLP as one fused function. Parameters and states are created in the unfused
+        path's order; `ffn1_ckpt_name` names nothing here (h is the function's own residual)."""
+        hidden, n, F = wi.shape
+        wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(), (F, hidden),
+                         self.kernel_axes_2)
+        _, state_1 = qstate.gemm_state(self, "_1")
+        wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2) if self.use_bias else None
+        lead = x.shape[:-1]
+        y = fp8_mlp(x.reshape(-1, hidden), wi.reshape(hidden, n * F),
+                    None if wi_bias is None else wi_bias.reshape(n * F), wo, state_0, state_1, recipe,
+                    tuple(ACTIVATIONS[name] for name in names))
+        if wo_bias is not None:
+            y = y + wo_bias.reshape(1, hidden).astype(y.dtype)
+        return checkpoint_name(y.reshape(*lead, hidden), self.ffn2_ckpt_name)
+
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False):
         if self.axis not in (-1, inputs.ndim - 1):
@@ -242,6 +275,8 @@ class LayerNormMLP(nn.Module):
                          self.kernel_axes_1)
         recipe, state = qstate.gemm_state(self, "_0")
         wi_bias = self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1) if self.use_bias else None
+        if self._fused(x, recipe, names, deterministic):
+            return self._fused_call(x, wi, wi_bias, recipe, state, names), ln_out
         h = dense_general(x, wi, 1, recipe, state, wi_bias)            # [..., n, F]
         if self.enable_low_rank_adaptation:  # TE's: x A B * alpha / r beside the GEMM, one per block
             h = h + self._lora(x, "wi", (hidden, n), (n, F), ("embed", "act"), ("act", "mlp"), n)

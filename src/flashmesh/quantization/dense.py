@@ -34,12 +34,12 @@ from flashmesh.attention.varying import varying_axes
 from flashmesh.quantization import combine, layouts, scaling
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 
-__all__ = ["dense", "TN"]
+__all__ = ["dense", "gemm", "quantized_pair", "updated_state", "TN"]
 
 TN = (((1,), (1,)), ((), ()))  # contract axis 1 of both operands: A [M, K], B [N, K]
 
 
-def _mm(a, b, inv_scale, out_dtype, out_sharding=None):
+def gemm(a, b, inv_scale, out_dtype, out_sharding=None):
     """a . b^T (both contiguous along K), rescaled, in out_dtype.
 
     bf16 results come straight out of the GEMM (the fast form; the scalar rescale becomes
@@ -83,7 +83,7 @@ def _shardings(x_like, kernel_like, x_transposed: bool = False) -> dict:
                 dw=jax.typeof(kernel_like).sharding if typed_k else jax.sharding.NamedSharding(mesh, jax.P()))
 
 
-def _both(t, state, name, fp8_max, dtype, recipe):
+def quantized_pair(t, state, name, fp8_max, dtype, recipe):
     """(q, q.T, scale, amax) of one tensor: the stored scale (delayed scaling; the amax comes
     out of the quantising pass) or the tensor's own (current scaling: its amax first)."""
     if isinstance(recipe, DelayedScaling):
@@ -96,7 +96,7 @@ def _both(t, state, name, fp8_max, dtype, recipe):
     return q, qT, scale, amax_now
 
 
-def _new_state(state, amaxes, maxes, recipe):
+def updated_state(state, amaxes, maxes, recipe):
     """The updated state in the state's own (combining) dtypes: its cotangent."""
     if not isinstance(recipe, DelayedScaling):
         return None
@@ -112,14 +112,14 @@ def dense(x: jax.Array, kernel: jax.Array, state, recipe: DelayedScaling | Float
 
 def _forward(x, kernel, state, recipe):
     fmt = recipe.fp8_format
-    xq, xqT, sx, ax = _both(x, state, "x", fmt.max_fwd, fmt.forward_dtype, recipe)
-    kq, kqT, sk, ak = _both(kernel, state, "kernel", fmt.max_fwd, fmt.forward_dtype, recipe)
+    xq, xqT, sx, ax = quantized_pair(x, state, "x", fmt.max_fwd, fmt.forward_dtype, recipe)
+    kq, kqT, sk, ak = quantized_pair(kernel, state, "kernel", fmt.max_fwd, fmt.forward_dtype, recipe)
     # Both layouts come from one quantisation. Without the barrier XLA re-read the float32
     # kernel for the [N, K] copy, and for the fused QKV kernel ([H, 3, H]) it chose a layout
     # that sent the dgrad to a Triton GEMM with a transpose inside (gemm_fusion_dot_general.24
     # in benchmarks/results/2026-12-02-nvidia-h200-layer/profile/ba2dd47-transformer_layer_fp8.hlo.txt.gz).
     kq, kqT = lax.optimization_barrier((kq, kqT))
-    y = _mm(xq, kqT, (1.0 / sx) * (1.0 / sk), x.dtype, _shardings(x, kernel)["y"])
+    y = gemm(xq, kqT, (1.0 / sx) * (1.0 / sk), x.dtype, _shardings(x, kernel)["y"])
     # A zero-size array carries the kernel's dtype (dw is returned in it).
     return y, (xqT, kq, sx, sk, ax, ak, state, jnp.zeros((0,), kernel.dtype))
 
@@ -127,13 +127,13 @@ def _forward(x, kernel, state, recipe):
 def _backward(recipe, residuals, g):
     xqT, kq, sx, sk, ax, ak, state, k_like = residuals
     fmt = recipe.fp8_format
-    gq, gqT, sg, ag = _both(g, state, "grad", fmt.max_bwd, fmt.backward_dtype, recipe)
+    gq, gqT, sg, ag = quantized_pair(g, state, "grad", fmt.max_bwd, fmt.backward_dtype, recipe)
     shardings = _shardings(xqT, kq, x_transposed=True)
-    dx = _mm(gq, kq, (1.0 / sg) * (1.0 / sk), g.dtype, shardings["dx"])  # g has y's dtype, which is x's
-    dw = _mm(xqT, gqT, (1.0 / sx) * (1.0 / sg), g.dtype, shardings["dw"]).astype(k_like.dtype)
+    dx = gemm(gq, kq, (1.0 / sg) * (1.0 / sk), g.dtype, shardings["dx"])  # g has y's dtype, which is x's
+    dw = gemm(xqT, gqT, (1.0 / sx) * (1.0 / sg), g.dtype, shardings["dw"]).astype(k_like.dtype)
     dx, dw = _summed_like(dx, xqT), _summed_like(dw, kq)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
-    new = _new_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)
+    new = updated_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)
     return dx, dw, new
 
 

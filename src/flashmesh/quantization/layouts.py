@@ -30,7 +30,7 @@ from jax import lax
 
 from flashmesh.quantization import scaling
 
-__all__ = ["byte_transpose", "kernel_fits", "quantize_both", "typed_sharding"]
+__all__ = ["byte_transpose", "kernel_fits", "one_device_program", "quantize_both", "typed_sharding"]
 
 TILE = 64  # the kernel's square tile; both sizes must be multiples of it
 
@@ -72,7 +72,7 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None 
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D, got shape {x.shape}")
     if kernel is None:
-        if kernel_fits(x) and _one_device_program():
+        if kernel_fits(x) and one_device_program():
             local = lax.platform_dependent(
                 x, scale, cuda=lambda x, s: _kernel(x, s, dtype, interpret=False),
                 default=lambda x, s: _xla(x, s, dtype))
@@ -89,7 +89,7 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None 
     return q, qt, scaling.reduce_amax(amax, x)
 
 
-def _one_device_program() -> bool:
+def one_device_program() -> bool:
     """Whether the program being traced runs on one device with no mesh around it: one device
     in the process, and no abstract mesh set (`jax.set_mesh`, AOT lowering for a topology) and
     no `shard_map` (whose manual axes the Pallas call's outputs would not carry)."""

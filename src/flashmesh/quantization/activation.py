@@ -1,0 +1,216 @@
+"""An MLP's activation fused with the FP8 quantisation of its output, and its backward fused with
+the quantisation of the pre-activation's gradient (TransformerEngine's `act_lu` + cast-transpose
+and `dact_lu` + dbias + cast-transpose).
+
+    act_quantize_both(h, bias, acts, scale, dtype)        -> (q, q.T, amax)           of a
+    dact_quantize_both(g, h, bias, acts, scale, dtype)    -> (q, q.T, amax, dbias)    of dh
+
+h [M, n*F] is the first GEMM's output without its bias, n = len(acts) blocks of F columns;
+v_k = h[:, kF:(k+1)F] + bias[kF:(k+1)F] in float32, a = acts[0](v_0) (* acts[1](v_1) for a gated
+pair), and dh = d<a, g>/dv, [M, n*F]. Everything is computed in float32 and quantised from it
+(the unfused composition rounds h + bias and a to the activations' dtype first).
+
+At the guide's layer (M 8192, F 16384, GELU) the unfused forward wrote h + bias and a as bf16
+arrays (one fusion) that the cast-transpose read again, and the backward wrote dh before its
+cast-transpose read it: 1.3 GB and 0.77 GB of traffic against 0.5 GB and 0.77 GB here
+(`loop_add_convert_fusion` 0.254 ms, `loop_convert_fusion` 0.305 ms and two cast-transposes of
+0.17 ms in benchmarks/results/2026-12-02-nvidia-h200-fp8-profile/). On a lone CUDA device each
+is one Pallas Triton kernel over 64 x 64 tiles (`kernel=None`, the rule of
+`layouts.quantize_both`); elsewhere the same arithmetic in XLA.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashmesh.quantization import layouts, scaling
+
+__all__ = ["act_quantize_both", "dact_quantize_both", "fits"]
+
+TILE = layouts.TILE
+
+
+def fits(h: jax.Array, n: int) -> bool:
+    """Whether the kernels take h [M, n*F]: layouts.kernel_fits and F a multiple of TILE."""
+    return layouts.kernel_fits(h) and h.shape[1] % n == 0 and (h.shape[1] // n) % TILE == 0
+
+
+def _activate(acts: Sequence[Callable], vs):
+    a = acts[0](vs[0])
+    return a * acts[1](vs[1]) if len(acts) == 2 else a
+
+
+def _blocks(h, bias, n):
+    """v_k, the n float32 blocks of h + bias."""
+    F = h.shape[1] // n
+    v = h.astype(jnp.float32)
+    if bias is not None:
+        v = v + bias.astype(jnp.float32).reshape(1, -1)
+    return [v[:, k * F:(k + 1) * F] for k in range(n)]
+
+
+def _choose(kernel, h, n, cuda, xla):
+    """The kernel (cuda), the XLA form, or the platform's choice between them (kernel=None)."""
+    if kernel is None:
+        if fits(h, n) and layouts.one_device_program():
+            return lambda *args: lax.platform_dependent(*args, cuda=cuda, default=xla)
+        return xla
+    if kernel and not fits(h, n):
+        raise ValueError(f"h of shape {h.shape} and dtype {h.dtype} does not fit the kernel for "
+                         f"{n} block(s): sizes multiples of {TILE} per block, bf16/f16/f32")
+    return cuda if kernel else xla
+
+
+def act_quantize_both(h: jax.Array, bias: jax.Array | None, acts: Sequence[Callable], scale: jax.Array,
+                      dtype, *, kernel: bool | None = None):
+    """(q [M, F], q.T [F, M], amax [1]) of a = act(h + bias) (see the module docstring)."""
+    n = len(acts)
+    if h.ndim != 2 or h.shape[1] % n:
+        raise ValueError(f"h must be [M, {n}*F], got shape {h.shape}")
+    interpret = kernel is True and jax.default_backend() != "gpu"
+
+    def xla(h, bias, scale):
+        a = _activate(acts, _blocks(h, bias, n))
+        q = scaling.quantize(a, scale, dtype)
+        return q, layouts.byte_transpose(q), scaling.local_amax(a)
+
+    def cuda(h, bias, scale):
+        return _forward_kernel(h, bias, scale, acts, dtype, interpret=interpret)
+
+    q, qt, amax = _choose(kernel, h, n, cuda, xla)(h, bias, scale)
+    return q, qt, scaling.reduce_amax(amax, h)
+
+
+def dact_quantize_both(g: jax.Array, h: jax.Array, bias: jax.Array | None, acts: Sequence[Callable],
+                       scale: jax.Array, dtype, *, kernel: bool | None = None):
+    """(q [M, nF], q.T [nF, M], amax [1], dbias [nF] float32 or None) of dh, the gradient of
+    <act(h + bias), g> with respect to h (see the module docstring)."""
+    n = len(acts)
+    if h.ndim != 2 or g.ndim != 2 or h.shape != (g.shape[0], n * g.shape[1]):
+        raise ValueError(f"h must be [M, {n}*F] for g [M, F]: got h {h.shape}, g {g.shape}")
+    interpret = kernel is True and jax.default_backend() != "gpu"
+
+    def xla(g, h, bias, scale):
+        vs = _blocks(h, bias, n)
+        _, pullback = jax.vjp(lambda *vs: _activate(acts, vs), *vs)
+        dh = jnp.concatenate(pullback(g.astype(jnp.float32)), axis=1)
+        q = scaling.quantize(dh, scale, dtype)
+        dbias = None if bias is None else jnp.sum(dh, axis=0)
+        return q, layouts.byte_transpose(q), scaling.local_amax(dh), dbias
+
+    def cuda(g, h, bias, scale):
+        return _backward_kernel(g, h, bias, scale, acts, dtype, interpret=interpret)
+
+    q, qt, amax, dbias = _choose(kernel, h, n, cuda, xla)(g, h, bias, scale)
+    return q, qt, scaling.reduce_amax(amax, h), dbias
+
+
+def _quantize_tile(v, s, dtype):
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(v * s, -top, top).astype(dtype)
+
+
+def _tile_amax(v):
+    """max |v| of a tile, NaN made explicit (a kernel's max reduction may skip it, as
+    `layouts.quantize_both`'s kernel says)."""
+    nan = jnp.max(jnp.where(jnp.isnan(v), 1.0, 0.0)) > 0.0
+    return jnp.where(nan, jnp.nan, jnp.max(jnp.abs(v))).reshape(1, 1)
+
+
+def _specs(n, J, bias, block):
+    """In-specs of h's n blocks (and bias's) for the program at (i, j) of block j's columns."""
+    from jax.experimental import pallas as pl
+
+    specs = [pl.BlockSpec((TILE, TILE), (lambda k: lambda i, c: (i, k * J + block(c)))(k)) for k in range(n)]
+    if bias is not None:
+        specs += [pl.BlockSpec((TILE,), (lambda k: lambda i, c: (k * J + block(c),))(k)) for k in range(n)]
+    return specs
+
+
+def _read(refs, n, has_bias):
+    hs, rest = refs[:n], refs[n:]
+    vs = [r[...].astype(jnp.float32) for r in hs]
+    if has_bias:
+        vs = [v + b[...].astype(jnp.float32).reshape(1, TILE) for v, b in zip(vs, rest[:n])]
+        rest = rest[n:]
+    return vs, rest
+
+
+def _forward_kernel(h, bias, scale, acts, dtype, *, interpret: bool):
+    from jax.experimental import pallas as pl
+
+    n = len(acts)
+    M, F = h.shape[0], h.shape[1] // n
+    J = F // TILE
+    has_bias = bias is not None
+
+    def body(*refs):
+        vs, (s_ref, q_ref, qt_ref, amax_ref) = _read(refs, n, has_bias)
+        a = _activate(acts, vs)
+        s = s_ref[0]
+        q_ref[...] = _quantize_tile(a, s, dtype)
+        qt_ref[...] = _quantize_tile(a.T, s, dtype)
+        amax_ref[...] = _tile_amax(a)
+
+    grid = (M // TILE, J)
+    operands = [h] * n + ([bias] * n if has_bias else []) + [scale.reshape(1).astype(jnp.float32)]
+    q, qt, tiles = pl.pallas_call(
+        body, grid=grid,
+        in_specs=_specs(n, J, bias, lambda c: c) + [pl.BlockSpec((1,), lambda i, c: (0,))],
+        out_specs=[pl.BlockSpec((TILE, TILE), lambda i, c: (i, c)),
+                   pl.BlockSpec((TILE, TILE), lambda i, c: (c, i)),
+                   pl.BlockSpec((1, 1), lambda i, c: (i, c))],
+        out_shape=[jax.ShapeDtypeStruct((M, F), dtype), jax.ShapeDtypeStruct((F, M), dtype),
+                   jax.ShapeDtypeStruct(grid, jnp.float32)],
+        interpret=interpret, name="fp8_act_quantize_both")(*operands)
+    return q, qt, jnp.max(tiles)
+
+
+def _backward_kernel(g, h, bias, scale, acts, dtype, *, interpret: bool):
+    """The grid covers dh's n*F columns; a program of block k recomputes every block's
+    activation at its rows and columns and keeps the gradient of block k."""
+    from jax.experimental import pallas as pl
+
+    n = len(acts)
+    M, F = g.shape
+    J = F // TILE
+    has_bias = bias is not None
+
+    def body(*refs):
+        vs, rest = _read(refs[1:], n, has_bias)
+        s_ref, q_ref, qt_ref, amax_ref = rest[:4]
+        _, pullback = jax.vjp(lambda *vs: _activate(acts, vs), *vs)
+        dvs = pullback(refs[0][...].astype(jnp.float32))
+        dv = dvs[0]
+        if n == 2:
+            dv = jnp.where(pl.program_id(1) < J, dvs[0], dvs[1])
+        s = s_ref[0]
+        q_ref[...] = _quantize_tile(dv, s, dtype)
+        qt_ref[...] = _quantize_tile(dv.T, s, dtype)
+        amax_ref[...] = _tile_amax(dv)
+        if has_bias:
+            rest[4][...] = jnp.sum(dv, axis=0).reshape(1, TILE)
+
+    grid = (M // TILE, n * J)
+    operands = [g] + [h] * n + ([bias] * n if has_bias else []) + [scale.reshape(1).astype(jnp.float32)]
+    out_specs = [pl.BlockSpec((TILE, TILE), lambda i, c: (i, c)),
+                 pl.BlockSpec((TILE, TILE), lambda i, c: (c, i)),
+                 pl.BlockSpec((1, 1), lambda i, c: (i, c))]
+    out_shape = [jax.ShapeDtypeStruct((M, n * F), dtype), jax.ShapeDtypeStruct((n * F, M), dtype),
+                 jax.ShapeDtypeStruct(grid, jnp.float32)]
+    if has_bias:  # each row tile's column sums, summed below (M / TILE rows of float32)
+        out_specs.append(pl.BlockSpec((1, TILE), lambda i, c: (i, c)))
+        out_shape.append(jax.ShapeDtypeStruct((M // TILE, n * F), jnp.float32))
+    outs = pl.pallas_call(
+        body, grid=grid,
+        in_specs=[pl.BlockSpec((TILE, TILE), lambda i, c: (i, c % J))] + _specs(n, J, bias, lambda c: c % J)
+        + [pl.BlockSpec((1,), lambda i, c: (0,))],
+        out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name="fp8_dact_quantize_both")(*operands)
+    q, qt, tiles = outs[:3]
+    dbias = jnp.sum(outs[3], axis=0) if has_bias else None
+    return q, qt, jnp.max(tiles), dbias
