@@ -272,7 +272,10 @@ def test_gpu_fused_kernels_compile_and_equal_xla():
                                                                              jnp.float8_e5m2, kernel=False))]:
             for a, b in zip(got[:2], want[:2]):
                 a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-                assert np.mean(a != b) < 1e-3
+                # the kernel's GELU uses tanh.approx.f32: 0.47% of bytes one step off with
+                # libdevice's tanh (2026-12-02)
+                assert np.mean(a != b) < 1e-2
+                np.testing.assert_allclose(a, b, rtol=0.26, atol=2.0 ** -9)
             np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
             if len(got) == 4:
                 np.testing.assert_allclose(got[3], want[3], rtol=1e-3, atol=1e-2)

@@ -24,6 +24,7 @@ from flashmesh.nn.dense import constrain, default_kernel_init, dense_general
 from flashmesh.nn.dropout import Dropout
 from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import layouts
+from flashmesh.quantization.activation import gelu_tanh
 from flashmesh.quantization import state as qstate
 from flashmesh.quantization.mlp import fp8_mlp
 from flashmesh.quantization.recipe import DelayedScaling
@@ -31,7 +32,7 @@ from flashmesh.quantization.recipe import DelayedScaling
 __all__ = ["ACTIVATIONS", "activation", "LayerNormMLP"]
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=True),   # TE's gelu is the tanh form
+    "gelu": gelu_tanh,   # TE's gelu is the tanh form
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,

@@ -29,9 +29,53 @@ from jax import lax
 
 from flashmesh.quantization import layouts, scaling
 
-__all__ = ["act_quantize_both", "dact_quantize_both", "fits"]
+__all__ = ["act_quantize_both", "dact_quantize_both", "fits", "gelu_tanh"]
 
 TILE = layouts.TILE
+_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU's tanh form, TransformerEngine's gelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    The kernels compute it and its derivative with the GPU's one-instruction tanh (tanh.approx.f32,
+    relative error about 2^-11, below FP8's rounding)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_parts(v, tanh):
+    """GELU's value and derivative at v from one tanh."""
+    v2 = v * v
+    t = tanh(_C * v * (1.0 + 0.044715 * v2))
+    half = 0.5 * (1.0 + t)
+    return v * half, half + 0.5 * v * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * v2)
+
+
+def _kernel_tanh(interpret: bool):
+    if interpret:
+        return jnp.tanh
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.approx_tanh
+
+
+def _kernel_activate(acts, vs, interpret):
+    """The activation inside a kernel (GELU by its one-tanh form)."""
+    if acts[0] is gelu_tanh:
+        a = _gelu_parts(vs[0], _kernel_tanh(interpret))[0]
+        return a * acts[1](vs[1]) if len(acts) == 2 else a
+    return _activate(acts, vs)
+
+
+def _kernel_gradients(acts, vs, g, interpret):
+    """d<act(v), g>/dv_k for each block inside a kernel (GELU's derivative by hand, the rest by
+    autodiff)."""
+    if acts[0] is gelu_tanh:
+        a0, d0 = _gelu_parts(vs[0], _kernel_tanh(interpret))
+        if len(acts) == 1:
+            return [g * d0]
+        a1, pullback = jax.vjp(acts[1], vs[1])
+        return [g * a1 * d0, pullback(g * a0)[0]]
+    _, pullback = jax.vjp(lambda *vs: _activate(acts, vs), *vs)
+    return list(pullback(g))
 
 
 def fits(h: jax.Array, n: int) -> bool:
@@ -110,8 +154,11 @@ def dact_quantize_both(g: jax.Array, h: jax.Array, bias: jax.Array | None, acts:
 
 
 def _quantize_tile(v, s, dtype):
+    """v * s clipped to the FP8 range; NaN stays NaN (Triton's min and max would clip it to the
+    range's bound, where XLA's clip keeps it)."""
     top = float(jnp.finfo(dtype).max)
-    return jnp.clip(v * s, -top, top).astype(dtype)
+    scaled = v * s
+    return jnp.where(jnp.isnan(scaled), scaled, jnp.clip(scaled, -top, top)).astype(dtype)
 
 
 def _tile_amax(v):
@@ -150,7 +197,7 @@ def _forward_kernel(h, bias, scale, acts, dtype, *, interpret: bool):
 
     def body(*refs):
         vs, (s_ref, q_ref, qt_ref, amax_ref) = _read(refs, n, has_bias)
-        a = _activate(acts, vs)
+        a = _kernel_activate(acts, vs, interpret)
         s = s_ref[0]
         q_ref[...] = _quantize_tile(a, s, dtype)
         qt_ref[...] = _quantize_tile(a.T, s, dtype)
@@ -183,8 +230,7 @@ def _backward_kernel(g, h, bias, scale, acts, dtype, *, interpret: bool):
     def body(*refs):
         vs, rest = _read(refs[1:], n, has_bias)
         s_ref, q_ref, qt_ref, amax_ref = rest[:4]
-        _, pullback = jax.vjp(lambda *vs: _activate(acts, vs), *vs)
-        dvs = pullback(refs[0][...].astype(jnp.float32))
+        dvs = _kernel_gradients(acts, vs, refs[0][...].astype(jnp.float32), interpret)
         dv = dvs[0]
         if n == 2:
             dv = jnp.where(pl.program_id(1) < J, dvs[0], dvs[1])

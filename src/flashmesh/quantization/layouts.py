@@ -117,8 +117,11 @@ def _kernel(x, scale, dtype, *, interpret: bool):
     def body(x_ref, s_ref, q_ref, qt_ref, amax_ref):
         v = x_ref[...].astype(jnp.float32)
         s = s_ref[0]
-        q_ref[...] = jnp.clip(v * s, -top, top).astype(dtype)
-        qt_ref[...] = jnp.clip(v.T * s, -top, top).astype(dtype)
+        # NaN kept as NaN: Triton's min and max clip it to a bound (-448 on the H200, 2026-12-02)
+        scaled = v * s
+        clipped = jnp.where(jnp.isnan(scaled), scaled, jnp.clip(scaled, -top, top))
+        q_ref[...] = clipped.astype(dtype)
+        qt_ref[...] = clipped.T.astype(dtype)
         # a NaN made explicit: a kernel's max reduction may skip it (interpret mode's does), and
         # the delayed-scaling history records the amax as XLA's max gives it
         nan = jnp.max(jnp.where(jnp.isnan(v), 1.0, 0.0)) > 0.0
