@@ -153,21 +153,6 @@ def dact_quantize_both(g: jax.Array, h: jax.Array, bias: jax.Array | None, acts:
     return q, qt, scaling.reduce_amax(amax, h), dbias
 
 
-def _quantize_tile(v, s, dtype):
-    """v * s clipped to the FP8 range; NaN stays NaN (Triton's min and max would clip it to the
-    range's bound, where XLA's clip keeps it)."""
-    top = float(jnp.finfo(dtype).max)
-    scaled = v * s
-    return jnp.where(jnp.isnan(scaled), scaled, jnp.clip(scaled, -top, top)).astype(dtype)
-
-
-def _tile_amax(v):
-    """max |v| of a tile, NaN made explicit (a kernel's max reduction may skip it, as
-    `layouts.quantize_both`'s kernel says)."""
-    nan = jnp.max(jnp.where(jnp.isnan(v), 1.0, 0.0)) > 0.0
-    return jnp.where(nan, jnp.nan, jnp.max(jnp.abs(v))).reshape(1, 1)
-
-
 def _specs(n, J, bias, block):
     """In-specs of h's n blocks (and bias's) for the program at (i, j) of block j's columns."""
     from jax.experimental import pallas as pl
@@ -199,9 +184,9 @@ def _forward_kernel(h, bias, scale, acts, dtype, *, interpret: bool):
         vs, (s_ref, q_ref, qt_ref, amax_ref) = _read(refs, n, has_bias)
         a = _kernel_activate(acts, vs, interpret)
         s = s_ref[0]
-        q_ref[...] = _quantize_tile(a, s, dtype)
-        qt_ref[...] = _quantize_tile(a.T, s, dtype)
-        amax_ref[...] = _tile_amax(a)
+        q_ref[...] = layouts.quantize_tile(a, s, dtype)
+        qt_ref[...] = layouts.quantize_tile(a.T, s, dtype)
+        amax_ref[...] = layouts.tile_amax(a)
 
     grid = (M // TILE, J)
     operands = [h] * n + ([bias] * n if has_bias else []) + [scale.reshape(1).astype(jnp.float32)]
@@ -235,9 +220,9 @@ def _backward_kernel(g, h, bias, scale, acts, dtype, *, interpret: bool):
         if n == 2:
             dv = jnp.where(pl.program_id(1) < J, dvs[0], dvs[1])
         s = s_ref[0]
-        q_ref[...] = _quantize_tile(dv, s, dtype)
-        qt_ref[...] = _quantize_tile(dv.T, s, dtype)
-        amax_ref[...] = _tile_amax(dv)
+        q_ref[...] = layouts.quantize_tile(dv, s, dtype)
+        qt_ref[...] = layouts.quantize_tile(dv.T, s, dtype)
+        amax_ref[...] = layouts.tile_amax(dv)
         if has_bias:
             rest[4][...] = jnp.sum(dv, axis=0).reshape(1, TILE)
 

@@ -112,20 +112,13 @@ def _kernel(x, scale, dtype, *, interpret: bool):
     from jax.experimental import pallas as pl
 
     M, K = x.shape
-    top = float(jnp.finfo(dtype).max)
 
     def body(x_ref, s_ref, q_ref, qt_ref, amax_ref):
         v = x_ref[...].astype(jnp.float32)
         s = s_ref[0]
-        # NaN kept as NaN: Triton's min and max clip it to a bound (-448 on the H200, 2026-12-02)
-        scaled = v * s
-        clipped = jnp.where(jnp.isnan(scaled), scaled, jnp.clip(scaled, -top, top))
-        q_ref[...] = clipped.astype(dtype)
-        qt_ref[...] = clipped.T.astype(dtype)
-        # a NaN made explicit: a kernel's max reduction may skip it (interpret mode's does), and
-        # the delayed-scaling history records the amax as XLA's max gives it
-        nan = jnp.max(jnp.where(jnp.isnan(v), 1.0, 0.0)) > 0.0
-        amax_ref[...] = jnp.where(nan, jnp.nan, jnp.max(jnp.abs(v))).reshape(1, 1)
+        q_ref[...] = quantize_tile(v, s, dtype)
+        qt_ref[...] = quantize_tile(v.T, s, dtype)
+        amax_ref[...] = tile_amax(v)
 
     grid = (M // TILE, K // TILE)
     q, qt, tiles = pl.pallas_call(
@@ -138,3 +131,19 @@ def _kernel(x, scale, dtype, *, interpret: bool):
                    jax.ShapeDtypeStruct(grid, jnp.float32)],
         interpret=interpret, name="fp8_quantize_both")(x, scale.reshape(1).astype(jnp.float32))
     return q, qt, jnp.max(tiles)
+
+
+def quantize_tile(v, s, dtype):
+    """Inside a kernel: v * s clipped to the FP8 range, in dtype; NaN stays NaN (Triton's min and
+    max clip it to a bound, -448 on the H200, 2026-12-02, where XLA's clip keeps it)."""
+    top = float(jnp.finfo(dtype).max)
+    scaled = v * s
+    return jnp.where(jnp.isnan(scaled), scaled, jnp.clip(scaled, -top, top)).astype(dtype)
+
+
+def tile_amax(v):
+    """Inside a kernel: max |v| of a tile as [1, 1], a NaN made explicit (a kernel's max reduction
+    may skip it, interpret mode's does, and the delayed-scaling history records the amax as XLA's
+    max gives it)."""
+    nan = jnp.max(jnp.where(jnp.isnan(v), 1.0, 0.0)) > 0.0
+    return jnp.where(nan, jnp.nan, jnp.max(jnp.abs(v))).reshape(1, 1)
