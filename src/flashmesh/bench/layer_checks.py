@@ -283,7 +283,13 @@ def plain_low_precision_error(shape, x, dy, seed: int) -> float:
 def plain_flax_low_precision_error(shape, x, dy, seed: int) -> float:
     """The same for the guide's Flax structure (FlaxTransformerLayer, parameters and all in x's
     dtype): the yardstick of the `flax_mha` rows, whose structure (re-projected heads, f32
-    parameters) rounds differently from the TE structure's."""
+    parameters) rounds differently from the TE structure's. Under JAX's standard promotion, as
+    the guide runs, whatever the caller set: flax.linen's LayerNorm promotes bf16 with float32."""
+    with jax.numpy_dtype_promotion("standard"):
+        return _plain_flax_low_precision_error(shape, x, dy, seed)
+
+
+def _plain_flax_low_precision_error(shape, x, dy, seed: int) -> float:
     module = layer_models.FlaxTransformerLayer(shape.hidden, shape.ffn, shape.heads)
     variables = jax.jit(lambda k, x: module.init(k, x, attention_mask=None, deterministic=True))(
         jax.random.key(seed), x.astype(jnp.float32))
