@@ -9,7 +9,11 @@ alternated over two rounds. The forms differ in one thing each from the bench's 
   sum32  value_and_grad of sum(f32(y) * f32(dy)), key split inside, full d variables returned;
   vdot   the same with the loss vdot(y, dy) in the layer's dtype;
   vjp    jax.vjp of the layer, pulled back with dy (no loss);
-  probe  `probe_layer.py`'s step: vdot loss, key an argument, parameter gradients returned.
+  probe  `probe_layer.py`'s step before 2026-12-03: vdot loss discarded, key an argument,
+         parameter gradients returned.
+Finding (H200, 2026-12-03, benchmarks/results/2026-12-03-nvidia-h200-bench-gap): vjp and probe
+are faster than the bench only because their layer output is dead: XLA drops the last
+projection's forward GEMM. The bench's step (loss returned) is the honest one.
 `--profile DIR` traces 5 steps of each and prints its kernel time by category, XLA op and
 kernel. `--small`: the bench's tiny layer (a CPU check of this script)."""
 import sys
