@@ -5,7 +5,8 @@ TransformerLayer fwd+bwd in bf16 and FP8 at the guide's size and count the FP8 G
 time goes: per category (GEMM, attention, other kernels), then the longest XLA ops and kernels.
 The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` row) is traced the
 same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
-NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8).
+NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8);
+`--top N` lists the N longest ops and kernels (25).
 `--hidden-dropout R` sets the TransformerLayer's hidden dropout (0 by default here; the guide
 and the bench use 0.1); `--fp8-quantize xla|words|kernel` makes each FP8 operand's two layouts
 XLA's quantise and `.T`, XLA's quantise and the uint32-word transpose, or the one-pass Pallas
@@ -126,7 +127,7 @@ def run(fp8, hand_written):
                 state, g, gx, _ = f(variables, x, dy, jax.random.key(i))
             variables = {**variables, **state}
             jax.block_until_ready((state, g, gx))
-        print(profile_table(trace_dir, 5), flush=True)
+        print(profile_table(trace_dir, 5, top=int(_option("--top") or 25)), flush=True)
 
 
 RUNS = {"jax_cudnn": (False, True), "transformer_layer_bf16": (False, False),

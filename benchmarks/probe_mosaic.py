@@ -4,8 +4,9 @@ error against cuDNN and the time per call of 20 calls back to back, each block s
 
 `--fwdbwd`: also fwd+bwd of the registered implementation against cuDNN's (`--dropout`: each
 also with attention dropout 0.1; `--fwdbwd-only`: not the forward's block sizes; `--dropout-hash
-pairs`: the kernels' last hash round once per adjacent key pair, 16 bits per decision (a
-different mask from the library's: for timing only, see `_pair_keep`)). `--bwd`: the
+pairs|pairs8|round1`: the kernels' last hash round once per adjacent key pair or per keys
+j, j+8, 16 bits per decision, or one cheap round per element (masks different from the
+library's: for timing only, see `_pair_keep`, `_pair8_keep`, `_round1_keep`)). `--bwd`: the
 backward kernels alone (`pallas_mosaic_gpu_sm90_bwd.backward_spec`) per BackwardBlockSizes in
 BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each checked against
 the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
@@ -43,10 +44,48 @@ def _pair_keep(row_hash, key0, shape, key_dim: int, threshold: int):
     return bits >= u(threshold >> 16)
 
 
+def _pair8_keep(row_hash, key0, shape, key_dim: int, threshold: int):
+    """Like `_pair_keep` with keys j and j+8 of each 16-key group sharing a hash: the pairs a
+    thread holds in the WGMMA layout along both dims (columns c, c+8; rows r, r+8), so the
+    backward (keys along rows) can share them too. key0 is a multiple of 16. Not the library's
+    mask."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    from flashmesh.attention import masks
+    from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
+
+    u = jnp.uint32
+    base = row_hash + (jnp.asarray(key0) >> 1).astype(u) * u(DROPOUT_KEY_MULT)
+    keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
+    pair = ((keys >> 4) << 3) | (keys & 7)
+    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + pair.astype(u) * u(DROPOUT_KEY_MULT)
+    h = masks.mix32(x)
+    bits = jnp.where((keys & 8) == 8, h >> 16, h & u(0xFFFF))
+    return bits >= u(threshold >> 16)
+
+
+def _round1_keep(row_hash, key0, shape, key_dim: int, threshold: int):
+    """One xor-shift-multiply round per element instead of the full finaliser (the row hash is
+    already mixed): a bound on what a cheaper per-element hash could buy. Not the library's mask."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
+
+    u = jnp.uint32
+    base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
+    keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
+    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
+    return (x ^ (x >> 16)) * u(0x7FEB352D) >= u(threshold)
+
+
+_HASHES = {"pairs": _pair_keep, "pairs8": _pair8_keep, "round1": _round1_keep}
 if "--dropout-hash" in sys.argv:
-    if sys.argv[sys.argv.index("--dropout-hash") + 1] != "pairs":
-        raise SystemExit("--dropout-hash: expected pairs")
-    sm90.dropout_keep = bwd.dropout_keep = _pair_keep
+    _kind = sys.argv[sys.argv.index("--dropout-hash") + 1]
+    if _kind not in _HASHES:
+        raise SystemExit(f"--dropout-hash: expected one of {sorted(_HASHES)}, got {_kind}")
+    sm90.dropout_keep = bwd.dropout_keep = _HASHES[_kind]
 
 
 SHAPES = [  # name, B, T, N, K, D, window
@@ -155,7 +194,7 @@ def back_to_back(f, *args, n=20):
 
 
 def main():
-    only = [a for a in sys.argv[1:] if not a.startswith("--") and a != "pairs"] or None
+    only = [a for a in sys.argv[1:] if not a.startswith("--") and a not in _HASHES] or None
     for name, B, T, N, K, D, window in SHAPES:
         if only and name not in only:
             continue
