@@ -1,0 +1,62 @@
+"""Diagnosis only (numbers are claimed from `flashmesh bench`): LayerNorm / RMSNorm forward +
+backward at the guide's layer size ([8192, 4096] bf16 by default, `--rows R --hidden H`) in
+three forms, timed back to back (30 calls, one synchronisation): `autodiff` (the formula left
+to jax.grad, what `nn.layernorm` was before 2026-12-03), `xla` (`layernorm_vjp.normalize`'s
+hand-written backward in XLA) and `kernel` (its Pallas backward kernel, the GPU default), each
+with its error against float32 autodiff."""
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from flashmesh.nn import layernorm_vjp
+
+
+def _option(name, default):
+    return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
+def autodiff(x, gamma, bias, rms, eps=1e-6):
+    xf = x.astype(jnp.float32)
+    mean = 0.0 if rms else jnp.mean(xf, axis=-1, keepdims=True)
+    c = xf - mean
+    y = c * jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + eps) * gamma[None, :]
+    return (y if bias is None else y + bias[None, :]).astype(x.dtype)
+
+
+def back_to_back(f, *args, n=30):
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    outs = [f(*args) for _ in range(n)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def main():
+    R, H = _option("--rows", 8192), _option("--hidden", 4096)
+    kx, kg, kb, kd = jax.random.split(jax.random.key(0), 4)
+    x = (jax.random.normal(kx, (R, H), jnp.float32) * 2 + 0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (R, H), jnp.bfloat16)
+    gamma = 1 + 0.1 * jax.random.normal(kg, (H,), jnp.float32)
+    bias = 0.1 * jax.random.normal(kb, (H,), jnp.float32)
+    for rms in (False, True):
+        b = None if rms else bias
+        want = jax.vjp(lambda x, g, b: autodiff(x, g, b, rms), x.astype(jnp.float32), gamma, b)[1](
+            dy.astype(jnp.float32))
+        forms = {"autodiff": lambda x, g, b: autodiff(x, g, b, rms),
+                 "xla": lambda x, g, b: layernorm_vjp.normalize(x, g, b, rms=rms, epsilon=1e-6, kernel=False),
+                 "kernel": lambda x, g, b: layernorm_vjp.normalize(x, g, b, rms=rms, epsilon=1e-6)}
+        for name, f in forms.items():
+            step = jax.jit(lambda x, g, b, dy, f=f: jax.vjp(f, x, g, b)[1](dy))
+            got = step(x, gamma, b, dy)
+            errs = [float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+                    for g, w in zip(got, want) if w is not None]
+            fwd = jax.jit(f)
+            print(f"{'rmsnorm' if rms else 'layernorm'} [{R}, {H}] {name}: fwd+bwd {back_to_back(step, x, gamma, b, dy):.3f} ms, "
+                  f"fwd {back_to_back(fwd, x, gamma, b):.3f} ms; rel err dx/dgamma/dbias "
+                  + " / ".join(f"{e:.1e}" for e in errs), flush=True)
+
+
+if __name__ == "__main__":
+    main()
