@@ -1,9 +1,10 @@
 """Diagnosis only (numbers are claimed from `flashmesh bench`): LayerNorm / RMSNorm forward +
 backward at the guide's layer size ([8192, 4096] bf16 by default, `--rows R --hidden H`) in
-three forms, timed back to back (30 calls, one synchronisation): `autodiff` (the formula left
-to jax.grad, what `nn.layernorm` was before 2026-12-03), `xla` (`layernorm_vjp.normalize`'s
-hand-written backward in XLA) and `kernel` (its Pallas backward kernel, the GPU default), each
-with its error against float32 autodiff."""
+two forms, timed back to back (30 calls, one synchronisation): `autodiff` (the formula left to
+jax.grad, what `nn.layernorm` was before 2026-12-03, and RMSNorm's form still) and `kernel`
+(`layernorm_vjp.normalize`'s Pallas backward kernel, LayerNorm's GPU default; for LayerNorm
+also each of `--configs ROWS:WARPS,...`, default 32:8,16:8,16:4,64:8), each with its error
+against float32 autodiff."""
 import sys
 import time
 
@@ -44,10 +45,14 @@ def main():
         b = None if rms else bias
         want = jax.vjp(lambda x, g, b: autodiff(x, g, b, rms), x.astype(jnp.float32), gamma, b)[1](
             dy.astype(jnp.float32))
-        forms = {"autodiff": lambda x, g, b: autodiff(x, g, b, rms),
-                 "xla": lambda x, g, b: layernorm_vjp.normalize(x, g, b, rms=rms, epsilon=1e-6, kernel=False),
-                 "kernel": lambda x, g, b: layernorm_vjp.normalize(x, g, b, rms=rms, epsilon=1e-6)}
-        for name, f in forms.items():
+        forms = {"autodiff": (lambda x, g, b: autodiff(x, g, b, rms), None)}
+        configs = [] if rms else [tuple(int(v) for v in c.split(":")) for c in _option("--configs", "32:8,16:8,16:4,64:8").split(",")]
+        for rows, warps in configs:
+            forms[f"kernel {rows} rows {warps} warps"] = (
+                lambda x, g, b: layernorm_vjp.normalize(x, g, b, rms=rms, epsilon=1e-6), (rows, warps))
+        for name, (f, config) in forms.items():
+            if config:
+                layernorm_vjp.ROWS_PER_PROGRAM, layernorm_vjp.NUM_WARPS = config
             step = jax.jit(lambda x, g, b, dy, f=f: jax.vjp(f, x, g, b)[1](dy))
             got = step(x, gamma, b, dy)
             errs = [float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))

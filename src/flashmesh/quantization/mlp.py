@@ -64,11 +64,11 @@ def _backward(recipe, acts, residuals, g):
     fmt = recipe.fp8_format
     gq, gqT, sg, ag = quantized_pair(g, state_1, "grad", fmt.max_bwd, fmt.backward_dtype, recipe)
     da = gemm(gq, k2, (1.0 / sg) * (1.0 / sk2), g.dtype)
-    dwo = gemm(aqT, gqT, (1.0 / sa) * (1.0 / sg), g.dtype).astype(wo_like.dtype)
+    dwo = gemm(aqT, gqT, (1.0 / sa) * (1.0 / sg), wo_like.dtype)  # in the weight's dtype, as dense
     sd = combine.to_float32(state_0["grad"][0])
     dq, dqT, ad, dbias = activation.dact_quantize_both(da, h, wi_bias, acts, sd, fmt.backward_dtype)
     dx = gemm(dq, k1, (1.0 / sd) * (1.0 / sk1), g.dtype)
-    dwi = gemm(xqT, dqT, (1.0 / sx) * (1.0 / sd), g.dtype).astype(wi_like.dtype)
+    dwi = gemm(xqT, dqT, (1.0 / sx) * (1.0 / sd), wi_like.dtype)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
     new_0 = updated_state(state_0, {"x": ax, "kernel": ak1, "grad": ad}, maxes, recipe)
     new_1 = updated_state(state_1, {"x": aa, "kernel": ak2, "grad": ag}, maxes, recipe)
