@@ -7,23 +7,20 @@ the GEMM, the rescale in float32) — each timed back to back with its compiled 
 `--shapes K,N,M;...` (default the FC1/FC2, QKV and out-projection shapes at M 8192)."""
 import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashmesh.bench import timing
 from flashmesh.quantization.dense import TN
 
 SHAPES = [(4096, 16384, 8192), (16384, 4096, 8192), (4096, 12288, 8192), (4096, 4096, 8192)]
 
 
 def back_to_back(f, *args, n=30):
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    outs = [f(*args) for _ in range(n)]
-    jax.block_until_ready(outs)
-    return (time.perf_counter() - t0) * 1e3 / n
+    jax.block_until_ready(f(*args))  # compiled and warm
+    return timing.back_to_back(f, args, n)
 
 
 def bf16_then_convert(a, b, s):

@@ -6,11 +6,11 @@ jax.grad, what `nn.layernorm` was before 2026-12-03, and RMSNorm's form still) a
 also each of `--configs ROWS:WARPS,...`, default 32:8,16:8,16:4,64:8), each with its error
 against float32 autodiff."""
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
+from flashmesh.bench import timing
 from flashmesh.nn import layernorm_vjp
 
 
@@ -27,11 +27,8 @@ def autodiff(x, gamma, bias, rms, eps=1e-6):
 
 
 def back_to_back(f, *args, n=30):
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    outs = [f(*args) for _ in range(n)]
-    jax.block_until_ready(outs)
-    return (time.perf_counter() - t0) * 1e3 / n
+    jax.block_until_ready(f(*args))  # compiled and warm
+    return timing.back_to_back(f, args, n)
 
 
 def main():

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import flashmesh
+from flashmesh.bench import timing
 from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
@@ -186,11 +187,8 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
 
 
 def back_to_back(f, *args, n=20):
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    outs = [f(*args) for _ in range(n)]
-    jax.block_until_ready(outs)
-    return (time.perf_counter() - t0) * 1e3 / n
+    jax.block_until_ready(f(*args))  # compiled and warm
+    return timing.back_to_back(f, args, n)
 
 
 def main():

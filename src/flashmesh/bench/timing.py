@@ -141,17 +141,17 @@ def time_interleaved(calls: Sequence[tuple[Callable, tuple]], *, warmup: int = 3
     # Then each call's `iters` calls back to back, one synchronisation at the end: the host's
     # dispatch hides behind the device's work, so on rows near 1 ms this reads kernel speed
     # where a synchronised call's median adds the launch and wake-up latency.
-    back_to_back = [_back_to_back(c, args, n) for (c, _), (_, args), n in zip(compiled, calls, counts)]
+    b2bs = [back_to_back(c, args, n) for (c, _), (_, args), n in zip(compiled, calls, counts)]
     kernels = [kernel_ms(c, args, min(n, 5)) if kernel_time else None
                for (c, _), (_, args), n in zip(compiled, calls, counts)]
     return [Timing(median_ms=float(statistics.median(t)), mean_ms=float(statistics.fmean(t)),
                    min_ms=float(min(t)), iters=len(t), compile_s=compile_s,
                    memory_bytes=memory_bytes(c), device_peak_bytes=device_peak_bytes(),
                    times_ms=tuple(t), back_to_back_ms=b2b, kernel_ms=k)
-            for (c, compile_s), t, b2b, k in zip(compiled, times, back_to_back, kernels)]
+            for (c, compile_s), t, b2b, k in zip(compiled, times, b2bs, kernels)]
 
 
-def _back_to_back(compiled, args, n: int) -> float:
+def back_to_back(compiled, args, n: int) -> float:
     """Milliseconds per call of `n` calls issued back to back, one synchronisation at the end."""
     t0 = time.perf_counter()
     outs = [compiled(*args) for _ in range(n)]
