@@ -6,7 +6,8 @@ time goes: per category (GEMM, attention, other kernels), then the longest XLA o
 The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` row) is traced the
 same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
 NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8);
-`--top N` lists the N longest ops and kernels (25).
+`--top N` lists the N longest ops and kernels (25); `--layernorm autodiff` differentiates
+LayerNorm by autodiff instead of `nn.layernorm_vjp`'s kernel (an untraced A/B of the kernel).
 `--hidden-dropout R` sets the TransformerLayer's hidden dropout (0 by default here; the guide
 and the bench use 0.1); `--fp8-quantize xla|words|kernel` makes each FP8 operand's two layouts
 XLA's quantise and `.T`, XLA's quantise and the uint32-word transpose, or the one-pass Pallas
@@ -30,6 +31,14 @@ from flashmesh.te.recipe import DelayedScaling, Format
 def _option(name):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
+
+if _option("--layernorm") == "autodiff":  # LayerNorm's backward by autodiff, not the kernel
+    import functools as _functools
+
+    import flashmesh.nn.layernorm as _ln
+    _ln.normalize = _functools.partial(_ln.normalize, kernel=False)
+elif _option("--layernorm"):
+    raise SystemExit(f"--layernorm: expected autodiff, got {_option('--layernorm')}")
 
 if _option("--fp8-quantize"):  # xla: quantise + .T; words: + byte_transpose; kernel: the Pallas kernel
     import functools

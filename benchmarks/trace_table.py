@@ -1,6 +1,7 @@
 """Diagnosis only: where a traced run's GPU time goes (`profile_table`), shared by the probes
-(`probe_layer.py`, `probe_train.py`): per category (GEMM, attention, other kernels), then the
-longest XLA ops and kernels, per step."""
+(`probe_layer.py`, `probe_train.py`): per category (GEMM, attention, other kernels), the
+timeline's span, busy time and overlap (`timeline`), then the longest XLA ops and kernels, per
+step."""
 import collections
 import glob
 import re
@@ -19,11 +20,14 @@ def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
     if not files:
         return f"no trace under {trace_dir}"
     ops, kernels = collections.Counter(), collections.Counter()
+    intervals = collections.defaultdict(list)  # stream line -> [(start_ns, end_ns)]
     for line in device_lines(ProfileData.from_file(files[-1]).planes):
         into = ops if line.name == "XLA Ops" else kernels if line.name.startswith(STREAM_LINE_PREFIX) else None
         if into is not None:
             for event in line.events:
                 into[event.name] += event.duration_ns / 1e6 / steps
+                if into is kernels:
+                    intervals[line.name].append((event.start_ns, event.start_ns + event.duration_ns))
     if not kernels:
         return "no GPU kernels in the trace (not a GPU run?)"
     total = sum(kernels.values())
@@ -31,8 +35,34 @@ def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
     for name, ms in kernels.items():
         cats["GEMM" if GEMM.search(name) else "attention" if ATTENTION.search(name) else "other"] += ms
     lines = [f"GPU kernel time per step: {total:.3f} ms; "
-             + ", ".join(f"{c} {ms:.3f} ms ({100 * ms / total:.1f}%)" for c, ms in cats.most_common())]
+             + ", ".join(f"{c} {ms:.3f} ms ({100 * ms / total:.1f}%)" for c, ms in cats.most_common()),
+             timeline(intervals, steps)]
     for title, table in (("XLA ops", ops), ("kernels", kernels)):
         lines.append(f"longest {title} (ms per step):")
         lines += [f"  {ms:8.3f}  {name[:150]}" for name, ms in table.most_common(top)]
     return "\n".join(lines)
+
+
+def busy_ns(intervals) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total, reach = total + (end - start), end
+        elif end > reach:
+            total, reach = total + (end - reach), end
+    return total
+
+
+def timeline(intervals: dict, steps: int) -> str:
+    """Per step: the span from the first kernel's start to the last one's end, the time some
+    kernel runs (busy), the kernel sum's excess over it (overlap: kernels running at once, on
+    one stream line or several) and the span's idle part."""
+    every = [iv for ivs in intervals.values() for iv in ivs]
+    if not every:
+        return "timeline: no kernels"
+    span = (max(e for _, e in every) - min(s for s, _ in every)) / 1e6 / steps
+    busy = busy_ns(every) / 1e6 / steps
+    overlap = sum(e - s for s, e in every) / 1e6 / steps - busy
+    return (f"timeline per step: span {span:.3f} ms, busy {busy:.3f}, idle {span - busy:.3f}, "
+            f"overlap {overlap:.3f} (kernel lines: {len(intervals)})")
