@@ -39,3 +39,11 @@ def like(tree, axes: tuple):
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+def summed_like(grad, primal_like):
+    """Inside `shard_map`: a cotangent summed over the manual axes it varies along but its
+    primal does not (a parameter replicated over the data axis gets every shard's gradient
+    summed), what autodiff's transpose of the implicit broadcast does."""
+    extra = tuple(a for a in varying_axes(grad) if a not in varying_axes(primal_like))
+    return lax.psum(grad, extra) if extra else grad

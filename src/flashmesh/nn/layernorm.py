@@ -5,8 +5,8 @@
     zero_centered_gamma: gamma is stored as (gamma - 1), initialised to 0, so weight decay pulls
                          the layer towards the identity
 
-over the last axis, computed in float32 and returned in x's dtype, with the hand-written
-backward of `layernorm_vjp.normalize` (one Pallas kernel on a lone CUDA device).
+over the last axis, computed in float32 and returned in x's dtype (`layernorm_vjp.normalize`:
+LayerNorm's backward is one Pallas kernel on a lone CUDA device, autodiff elsewhere).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashmesh.attention.varying import varying_axes
+from flashmesh.attention.varying import summed_like
 from flashmesh.quantization import layouts
 
 __all__ = ["normalize", "kernel_backward", "kernel_fits", "ROWS_PER_PROGRAM"]
@@ -85,13 +85,6 @@ def _forward(x, gamma, bias, epsilon, by_platform):
     return y, (x, gamma, bias, mean, rstd)
 
 
-def _summed_like(grad, primal_like):
-    """Inside `shard_map`: a parameter's gradient summed over the manual axes the rows vary
-    along but the parameter does not (what autodiff's transpose of its broadcast does)."""
-    extra = tuple(a for a in varying_axes(grad) if a not in varying_axes(primal_like))
-    return lax.psum(grad, extra) if extra else grad
-
-
 def _backward(epsilon, by_platform, residuals, dy):
     x, gamma, bias, mean, rstd = residuals
     with_bias = bias is not None
@@ -109,9 +102,9 @@ def _backward(epsilon, by_platform, residuals, dy):
                                                    default=by_autodiff)
     else:
         dx, dgamma, dbias = by_kernel(x, dy, gamma, mean, rstd)
-    dgamma = _summed_like(dgamma, gamma).astype(gamma.dtype)
+    dgamma = summed_like(dgamma, gamma).astype(gamma.dtype)
     if with_bias:
-        dbias = _summed_like(dbias, bias).astype(bias.dtype)
+        dbias = summed_like(dbias, bias).astype(bias.dtype)
     return dx, dgamma, dbias
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashmesh.attention.varying import varying_axes
+from flashmesh.attention.varying import summed_like
 from flashmesh.quantization import combine, layouts, scaling
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -51,14 +51,6 @@ def gemm(a, b, inv_scale, out_dtype, out_sharding=None):
     y = lax.dot_general(a, b, TN, precision=lax.Precision.DEFAULT, preferred_element_type=acc,
                         out_sharding=out_sharding)
     return (y * inv_scale.astype(acc).reshape(())).astype(out_dtype)
-
-
-def _summed_like(grad, primal_like):
-    """Inside `shard_map`: the cotangent summed over the manual axes it varies along but its
-    primal does not (a kernel replicated over the data axis gets the sum of every shard's
-    weight gradient), what autodiff's transpose of the implicit broadcast does for a plain dot."""
-    extra = tuple(a for a in varying_axes(grad) if a not in varying_axes(primal_like))
-    return lax.psum(grad, extra) if extra else grad
 
 
 def _shardings(x_like, kernel_like, x_transposed: bool = False) -> dict:
@@ -135,7 +127,7 @@ def _backward(recipe, residuals, g):
     # convert (0.714 against 0.806 ms for FC1's [4096, 16384] over 8192 tokens on the H200,
     # still cuBLASLt's FP8 call; benchmarks/results/2026-12-03-nvidia-h200-layernorm/).
     dw = gemm(xqT, gqT, (1.0 / sx) * (1.0 / sg), k_like.dtype, shardings["dw"])
-    dx, dw = _summed_like(dx, xqT), _summed_like(dw, kq)
+    dx, dw = summed_like(dx, xqT), summed_like(dw, kq)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
     new = updated_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)
     return dx, dw, new
