@@ -27,7 +27,8 @@ def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
             for event in line.events:
                 into[event.name] += event.duration_ns / 1e6 / steps
                 if into is kernels:
-                    intervals[line.name].append((event.start_ns, event.start_ns + event.duration_ns))
+                    intervals[line.name].append((event.start_ns, event.start_ns + event.duration_ns,
+                                                 event.name))
     if not kernels:
         return "no GPU kernels in the trace (not a GPU run?)"
     total = sum(kernels.values())
@@ -46,7 +47,7 @@ def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
 def busy_ns(intervals) -> float:
     """Length of the union of [start, end) intervals."""
     total, reach = 0.0, None
-    for start, end in sorted(intervals):
+    for start, end, *_ in sorted(intervals):
         if reach is None or start > reach:
             total, reach = total + (end - start), end
         elif end > reach:
@@ -54,15 +55,31 @@ def busy_ns(intervals) -> float:
     return total
 
 
-def timeline(intervals: dict, steps: int) -> str:
+def timeline(intervals: dict, steps: int, gaps: int = 12) -> str:
     """Per step: the span from the first kernel's start to the last one's end, the time some
     kernel runs (busy), the kernel sum's excess over it (overlap: kernels running at once, on
-    one stream line or several) and the span's idle part."""
-    every = [iv for ivs in intervals.values() for iv in ivs]
+    one stream line or several) and the span's idle part; then the `gaps` longest idle gaps of
+    the whole trace (µs), each with the kernels that end before and start after it, and the idle
+    time in gaps under 1, of 1-5, 5-20 and over 20 µs per step."""
+    every = sorted(iv for ivs in intervals.values() for iv in ivs)
     if not every:
         return "timeline: no kernels"
-    span = (max(e for _, e in every) - min(s for s, _ in every)) / 1e6 / steps
+    span = (max(iv[1] for iv in every) - every[0][0]) / 1e6 / steps
     busy = busy_ns(every) / 1e6 / steps
-    overlap = sum(e - s for s, e in every) / 1e6 / steps - busy
-    return (f"timeline per step: span {span:.3f} ms, busy {busy:.3f}, idle {span - busy:.3f}, "
-            f"overlap {overlap:.3f} (kernel lines: {len(intervals)})")
+    overlap = sum(iv[1] - iv[0] for iv in every) / 1e6 / steps - busy
+    found, reach, before = [], every[0][1], every[0][2]
+    for start, end, name in every[1:]:
+        if start > reach:
+            found.append((start - reach, before, name))
+        if end > reach:
+            reach, before = end, name
+    buckets = collections.Counter()
+    for ns, _, _ in found:
+        us = ns / 1e3
+        buckets["<1" if us < 1 else "1-5" if us < 5 else "5-20" if us < 20 else ">20"] += ns / 1e6 / steps
+    lines = [f"timeline per step: span {span:.3f} ms, busy {busy:.3f}, idle {span - busy:.3f}, "
+             f"overlap {overlap:.3f} (kernel lines: {len(intervals)}, gaps {len(found) / steps:.0f}); "
+             "idle per step in gaps of " + ", ".join(f"{k} us {buckets[k]:.3f} ms" for k in ("<1", "1-5", "5-20", ">20"))]
+    for ns, a, b in sorted(found, reverse=True)[:gaps]:
+        lines.append(f"  gap {ns / 1e3:8.1f} us  after {a[:60]}  before {b[:60]}")
+    return "\n".join(lines)
