@@ -6,7 +6,7 @@ time goes: per category (GEMM, attention, other kernels), then the longest XLA o
 The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` row) is traced the
 same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
 NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8);
-`--top N` lists the N longest ops and kernels (25); `--layernorm autodiff` differentiates
+`--top N` lists the N longest ops and kernels (25); the timing line also gives the host's time to enqueue a step (a step host-bound where it nears the back-to-back figure); `--layernorm autodiff` differentiates
 LayerNorm by autodiff instead of `nn.layernorm_vjp`'s kernel (an untraced A/B of the kernel).
 `--hidden-dropout R` sets the TransformerLayer's hidden dropout (0 by default here; the guide
 and the bench use 0.1); `--fp8-quantize xla|words|kernel` makes each FP8 operand's two layouts
@@ -34,8 +34,9 @@ def _option(name):
 
 if _option("--layernorm") == "autodiff":  # LayerNorm's backward by autodiff, not the kernel
     import functools as _functools
+    import importlib
 
-    import flashmesh.nn.layernorm as _ln
+    _ln = importlib.import_module("flashmesh.nn.layernorm")  # flashmesh.nn.layernorm is also a function
     _ln.normalize = _functools.partial(_ln.normalize, kernel=False)
 elif _option("--layernorm"):
     raise SystemExit(f"--layernorm: expected autodiff, got {_option('--layernorm')}")
@@ -120,14 +121,17 @@ def run(fp8, hand_written):
             variables = {**variables, **state}
             jax.block_until_ready((state, g, gx))
             times.append(time.perf_counter() - t0)
+        keys = [jax.random.key(i) for i in range(20)]
+        jax.block_until_ready(keys)
         t0 = time.perf_counter()
         for i in range(20):
-            state, g, gx, _ = f(variables, x, dy, jax.random.key(i))
+            state, g, gx, _ = f(variables, x, dy, keys[i])
             variables = {**variables, **state}
+        enqueued = (time.perf_counter() - t0) / 20
         jax.block_until_ready((state, g, gx))
         b2b = (time.perf_counter() - t0) / 20
     times.sort()
-    print(f"{label}: median {times[10]*1e3:.2f} ms, back-to-back {b2b*1e3:.2f} ms; gemms {gemms} triton {triton}",
+    print(f"{label}: median {times[10]*1e3:.2f} ms, back-to-back {b2b*1e3:.2f} ms (host enqueue {enqueued*1e3:.2f} ms a step); gemms {gemms} triton {triton}",
           flush=True)
     if "--profile" in sys.argv:
         trace_dir = tempfile.mkdtemp(dir=_option("--profile"))
