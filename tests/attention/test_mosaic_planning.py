@@ -329,7 +329,9 @@ ANCHORS = {  # name: (spec, expected (block_q, block_kv, num_stages, num_compute
 def test_default_for_anchors(name):
     spec, expected = ANCHORS[name]
     entry = mg.matching_entry(spec, H100)
-    assert entry is not None and entry["anchor"] == name and entry["tuned"] is False
+    assert entry is not None and entry["anchor"] == name
+    # a tuned entry names the run that measured it (benchmarks/results/*-tune/)
+    assert entry["tuned"] is ("flashmesh tune" in entry["source"])
     for kind in (H100, "NVIDIA H200"):
         bs = mg.default_for(spec, kind)
         if isinstance(expected, mg.WindowBlockSizes):  # the window kernel's entry
@@ -364,7 +366,7 @@ def test_table_entries_all_validate_and_are_reachable():
         window = {"none": (-1, -1), "causal": (-1, 0),
                   "window": (width - 1 if width else 2000, 0)}[key["mask"]]
         group = key.get("group", 1)
-        L = max(key.get("min_len", 4096), 4096)
+        L = key.get("max_len", max(key.get("min_len", 4096), 4096))
         for dtype in key["dtypes"]:
             spec = make_spec(L, L, window, N=8 * group, K=8, Dqk=key["qk_dim"], Dv=key["v_dim"],
                              dtype=dtype)

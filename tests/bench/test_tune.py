@@ -29,7 +29,12 @@ def test_candidates_are_valid_distinct_and_start_with_todays_config():
 
 def test_table_keys():
     assert tune.table_key(tune.spec_of(ANCHORS["seed000_gqa_swa"])) == dict(
-        qk_dim=128, v_dim=128, mask="window", group=16, max_window=256, dtypes=["bfloat16", "float16"])
+        qk_dim=128, v_dim=128, mask="window", group=16, max_window=256, min_len=2049, max_len=4096,
+        dtypes=["bfloat16", "float16"])
+    # a short shape's key does not take the same kind of call at other lengths
+    short = tune.table_key(tune.spec_of(ANCHORS["codelab_te_2048"]))
+    assert common.key_matches(short, tune.spec_of(ANCHORS["codelab_te_2048"]))
+    assert not common.key_matches(short, tune.spec_of(ANCHORS["causal_8k_h32_d64"]))
     assert tune.table_key(tune.spec_of(ANCHORS["seed000_mla"]))["v_dim"] == 64
     assert tune.table_key(tune.spec_of(ANCHORS["full_4k_h16_d128"]))["mask"] == "none"
 
@@ -144,8 +149,9 @@ def test_backward_entries_of_shapes_differing_in_group_stay_apart():
 
 
 def test_backward_write_keeps_hand_written_keys_and_skips_a_shared_key():
-    """codelab_small's entry keeps its max_len; codelab_te_2048 (d64 causal, group 1) shares its
-    key with causal_8k_h32_d64 in one run: warned about and not written (it would shadow it)."""
+    """codelab_small's entry keeps its max_len; codelab_te_2048 (d64 causal, group 1) gets an
+    entry of its own length bucket beside causal_8k_h32_d64's; a second result with a key the
+    run already wrote is warned about and not written (it would shadow the first)."""
     from flashmesh.bench import tune_backward
 
     table = json.loads(common.CONFIGS_PATH.read_text(encoding="utf-8"))
@@ -153,10 +159,13 @@ def test_backward_write_keeps_hand_written_keys_and_skips_a_shared_key():
     results = [dict(shape=name, key=tune.table_key(tune.spec_of(ANCHORS[name])), rows=[{}],
                     best={"num_stages": 3}, best_ms_back_to_back=1.0, default_ms_back_to_back=1.0)
                for name in ("codelab_small", "causal_8k_h32_d64", "codelab_te_2048")]
-    with pytest.warns(UserWarning, match="codelab_te_2048 has the table key of causal_8k_h32_d64"):
+    results.append(dict(results[1], shape="causal_8k_h32_d64_again", best={"num_stages": 1}))
+    with pytest.warns(UserWarning, match="causal_8k_h32_d64_again has the table key of causal_8k_h32_d64"):
         tune_backward.write_entries(table, results, dict(date="d", device="H200", commit="abc"))
     after = {e.get("anchor"): e for e in table["backward_entries"]}
     assert after["codelab_small"]["key"] == before["codelab_small"] and "max_len" in before["codelab_small"]
     assert after["causal_8k_h32_d64"]["key"] == before["causal_8k_h32_d64"]
     assert after["causal_8k_h32_d64"]["config"] == {"num_stages": 3}
-    assert "codelab_te_2048" not in after
+    assert "causal_8k_h32_d64_again" not in after
+    short = after["codelab_te_2048"]["key"]
+    assert short["max_len"] == 2048 and not common.key_matches(short, tune.spec_of(ANCHORS["causal_8k_h32_d64"]))

@@ -120,9 +120,7 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
     table = json.loads(path.read_text(encoding="utf-8"))
     entries = table["entries"]
     tune_backward.write_entries(table, [r for r in results if r.get("kernel") == "backward"], meta)
-    for res in results:
-        if res.get("kernel") == "backward" or res["best"] is None:
-            continue
+    for res in tune_measure.unshared([r for r in results if r.get("kernel") != "backward"], "tune"):
         best = res["best"]
         fields = (("kernel", "block_kv", "num_compute_wgs") if best.get("kernel") == "window" else
                   ("block_q", "block_kv", "num_stages", "num_compute_wgs", "intra_wg_overlap"))

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -103,16 +101,7 @@ def write_entries(table: dict, results: list[dict], meta: dict) -> None:
     key; new entries appended with the result's key; an existing entry keeps its own). A result
     whose key another shape of the same run already wrote is skipped with a warning."""
     entries = table.setdefault("backward_entries", [])
-    written = {}  # key (as json) -> the shape of this run that wrote it
-    for res in results:
-        if res["best"] is None:
-            continue
-        key_text = json.dumps(res["key"], sort_keys=True)
-        if key_text in written:  # one key, two shapes: the later would shadow the earlier's
-            warnings.warn(f"tune --backward: {res['shape']} has the table key of {written[key_text]} "
-                          f"({res['key']}); its result is not written", stacklevel=2)
-            continue
-        written[key_text] = res["shape"]
+    for res in tune_measure.unshared(results, "tune --backward"):
         # an existing entry keeps its key (a hand-written one may be narrower, e.g. max_len)
         entry = tune_measure.table_entry(entries, res["shape"], res["key"])
         entry.update(tuned=True, config=res["best"], source=(

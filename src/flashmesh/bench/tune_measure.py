@@ -9,8 +9,10 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -75,15 +77,35 @@ def table_entry(entries: list[dict], shape: str, key: dict) -> dict:
     return entry
 
 
+def unshared(results: list[dict], command: str):
+    """The results with a best config, less any whose table key an earlier result of the same
+    run has (the later would shadow the earlier's entry): those are skipped with a warning."""
+    written = {}  # key (as json) -> the shape of this run that wrote it
+    for res in results:
+        if res["best"] is None:
+            continue
+        key_text = json.dumps(res["key"], sort_keys=True)
+        if key_text in written:
+            warnings.warn(f"{command}: {res['shape']} has the table key of {written[key_text]} "
+                          f"({res['key']}); its result is not written", stacklevel=3)
+            continue
+        written[key_text] = res["shape"]
+        yield res
+
+
 def table_key(spec) -> dict:
     """The table key of a call, for the forward's entries and the backward's alike: head dims,
-    mask kind, group size, dtypes, and for a window its width bound (the smallest power of two
-    >= the width)."""
+    mask kind, group size, dtypes, for a window its width bound (the smallest power of two
+    >= the width), and the length bucket of max(T, S): (P / 2, P] for the smallest power of two
+    P >= it (without it a short shape's entry, more specific by its group field, took the calls
+    of every length: 2026-12-03, codelab_te_2048's tiles over causal_8k_h32_d64's)."""
     from flashmesh.attention.pallas_mosaic_gpu_common import mask_kind
 
     key = dict(qk_dim=spec.qk_dim, v_dim=spec.v_dim, mask=mask_kind(spec), group=spec.group_size)
     left, right = spec.window
     if key["mask"] == "window" and min(left, right) >= 0:
         key["max_window"] = 2 ** math.ceil(math.log2(left + right + 1))
+    top = 2 ** math.ceil(math.log2(max(spec.q_len, spec.kv_len, 1)))
+    key.update(min_len=top // 2 + 1, max_len=top)
     key["dtypes"] = ["bfloat16", "float16"]
     return key
