@@ -58,6 +58,16 @@ CASES = [
          blocks=ONE_WG),
     Case("mla_f16_single_stage", Dqk=128, Dv=64, window=(-1, 0), dtype="float16",
          blocks=BlockSizes(block_q=64, block_kv=64, num_stages=1, num_compute_wgs=1)),
+    # Persistent: 3 CTAs over 2 query tiles x 2 heads (CTA 0 runs two, the K/V ring and
+    # ping-pong turns running on across them), tails; O in its own buffer, so the next tile's
+    # Q loads under the last P·V and the O store completes under the next tile.
+    Case("persistent_tails_prefetch_q", T=200, S=136, N=2, K=1,
+         blocks=BlockSizes(block_q=128, block_kv=64, num_stages=3, reuse_q_for_o=False,
+                           persistent=True)),
+    # Persistent with O staged in Q; bottom-right T > S: tile 0 of each head sees no key (an
+    # empty tile inside a CTA's loop).
+    Case("persistent_empty_tiles_o_in_q", T=256, S=64, N=2, K=2, window=(-1, 0),
+         bottom_right=True, blocks=dataclasses.replace(ONE_WG, persistent=True)),
 ]
 
 # GPU only (too large for the interpreter): the probe's tiles at full size.
@@ -107,6 +117,11 @@ GPU_CASES = [
          window=(128, 0), blocks=BlockSizes(block_kv=64, intra_wg_overlap=False)),
     Case("d64_three_wg_causal_tails", T=1000, S=1000, Dqk=64, Dv=64, window=(-1, 0),
          blocks=BlockSizes(block_q=192, num_compute_wgs=3, num_stages=4)),
+    # Persistent on the GPU: 8 query tiles x 16 heads > 132 SMs, so some CTAs run two tiles.
+    Case("d128_full_persistent_prefetch_q", T=1024, S=1000, N=16, K=4, Dqk=128, Dv=128,
+         blocks=BlockSizes(reuse_q_for_o=False, persistent=True)),
+    Case("d128_causal_persistent_o_in_q_learnable", T=1024, S=1024, N=16, K=16, Dqk=128,
+         Dv=128, window=(-1, 0), softmax="learnable", blocks=BlockSizes(persistent=True)),
 ]
 
 
@@ -218,6 +233,8 @@ LOWERINGS = [
     (512, 256, 256, (-1, 0), "off_by_one", None, BlockSizes(block_kv=64, num_stages=1,
                                                             block_q=64, num_compute_wgs=1)),
     (1024, 128, 128, (-1, 0), "learnable", None, BlockSizes(num_splits=4)),  # KV splits
+    (1000, 128, 128, (-1, -1), "vanilla", None, BlockSizes(reuse_q_for_o=False,
+                                                           persistent=True)),
     (1000, 96, 96, (-1, 0), "vanilla", None, BlockSizes(block_kv=64)),  # 64-byte swizzle
     (1000, 80, 32, (-1, -1), "vanilla", None, BlockSizes(block_kv=64)),  # 32-byte swizzle
 ]

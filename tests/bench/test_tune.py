@@ -2,6 +2,7 @@
 loads, entries are matched by anchor, then key, else appended), and one tiny interpret-mode run
 end to end through the CLI."""
 
+import dataclasses
 import json
 import re
 
@@ -23,6 +24,9 @@ def test_candidates_are_valid_distinct_and_start_with_todays_config():
     for bs in found:
         assert bs.validate_for(spec) == bs and bs.smem_bytes(spec) <= common.SMEM_BYTES
     assert tune.candidates(spec, limit=3) == found[:3]
+    # today's config on a persistent grid, O in its own buffer (Q prefetched) and in Q's, next
+    assert found[1:3] == [dataclasses.replace(found[0], persistent=True, reuse_q_for_o=r)
+                          for r in (False, True)]
     # d64 has room for block_kv 192 with 3 stages, d128 does not without O in Q's buffer
     assert any(bs.block_kv == 192 for bs in tune.candidates(tune.spec_of(ANCHORS["causal_8k_h32_d64"])))
 
@@ -60,6 +64,12 @@ def test_write_table_updates_by_anchor_and_appends(tmp_path):
     assert "0.5000 ms back to back, best of 2" in swa[0]["source"] and swa[0]["compile_s"] == 1.25
     assert len(entries) in (len(before), len(before) + 1)  # codelab_te_2048: its entry, or a new one
     assert [e for e in entries if e.get("anchor") == "codelab_te_2048"][0]["config"] == config
+    # a persistent winner keeps the schedule flags that differ from BlockSizes' defaults
+    tune.write_table(path, [_result("full_4k_h16_d128", dict(config, persistent=True,
+                                                             reuse_q_for_o=False))], meta)
+    full = [e for e in json.loads(path.read_text())["entries"] if e.get("anchor") == "full_4k_h16_d128"]
+    assert full[0]["config"] == dict(config, persistent=True, reuse_q_for_o=False)
+    assert common.forward_config(full[0]["config"]).persistent is True
     # a window-kernel winner keeps its kind
     window = dict(kernel="window", block_kv=64, num_compute_wgs=1)
     tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=window)], meta)

@@ -240,6 +240,12 @@ class BlockSizes:
     num_splits: KV splits (flash-decoding, 1 to 128): each query tile's key tiles are cut into
       num_splits parts (`split_part`) run by separate CTAs, whose normalised outputs and lse XLA
       merges; `split_kv` chooses it when too few tiles fill the chip.
+    persistent: one CTA per SM (at most one per tile), each looping over the tiles c, c + C,
+      ... of (batch, head, query tile) (tokamax's and FA3's static persistent scheduler for
+      non-causal calls): the memory warpgroup streams the next tile's K/V while the compute
+      warpgroups finish the last, and with O in its own buffer (not `reuse_q_for_o`) the next
+      Q loads under the last P·V and the O store completes under the next tile. Not with
+      num_splits > 1.
     """
 
     block_q: int = 128
@@ -253,6 +259,7 @@ class BlockSizes:
     reuse_q_for_o: bool = True
     lpt_order: bool = True
     num_splits: int = 1
+    persistent: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -274,9 +281,12 @@ class BlockSizes:
             object.__setattr__(self, "memory_registers", memory)
         if self.pingpong is None:
             object.__setattr__(self, "pingpong", self.num_compute_wgs >= 2)
-        for name in ("pingpong", "intra_wg_overlap", "reuse_q_for_o", "lpt_order"):
+        for name in ("pingpong", "intra_wg_overlap", "reuse_q_for_o", "lpt_order", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BlockSizes.{name}={getattr(self, name)!r} must be a bool")
+        if self.persistent and self.num_splits > 1:
+            raise ValueError(f"BlockSizes.persistent=True needs num_splits=1, got "
+                             f"{self.num_splits} (a split's CTA owns one part of one tile)")
         if self.pingpong and self.num_compute_wgs < 2:
             raise ValueError(f"BlockSizes.pingpong=True needs num_compute_wgs >= 2, got "
                              f"{self.num_compute_wgs} (one warpgroup has nobody to take turns "

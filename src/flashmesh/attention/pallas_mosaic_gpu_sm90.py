@@ -26,6 +26,12 @@ Schedule (BlockSizes fields, each selectable so the variants can be timed agains
 * `reuse_q_for_o`: O is staged in the warpgroup's Q buffer for the TMA store (Dqk == Dv), so
   3 stages fit at d128 (`BlockSizes.smem_bytes` counts the bytes as Mosaic GPU does).
 * `lpt_order`: query tiles of each (head, batch) run last to first, the longest causal ones first.
+* `persistent` (tokamax's and FA3's static persistent scheduler): a grid of one CTA per SM,
+  CTA c running tiles c, c + C, ... of (batch, head, query tile) in a loop. The K/V ring's
+  slots and barrier phases run on across tiles (`stream_kv`'s `issued`), so the memory
+  warpgroup streams the next tile's keys under the last one's compute; with O in its own buffer
+  the next Q is loaded after the tile's last S GEMM and an O store's TMA is awaited only before
+  the next tile writes O.
 Compiled without Mosaic's automatic barriers (the kernel orders its own SMEM accesses) and
 without reduction scratch (row reductions of the WGMMA layout stay within a warp).
 
@@ -85,8 +91,9 @@ cap, the off-by-one and learnable sink softmax, dropout, packed segments and exp
 positions, a post-scale bias. Not implemented (NotImplementedError): head dims that are not
 multiples of 64 (the 128-byte swizzle), dropout with global key numbers (kv_index). The backward pass is in
 pallas_mosaic_gpu_sm90_bwd. Not yet done for speed: OOB-filled TMA loads instead of padded input
-copies (the padding only runs for tails), per-warpgroup ranges, a persistent grid, named
-barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale.
+copies (the padding only runs for tails), per-warpgroup ranges, named barriers for the K/V
+"consumed" handshakes, the lazy (thresholded) O rescale, a dynamic (LPT) persistent scheduler
+for causal calls.
 
 Argument checks, the spec of a band-mask call and the dropout row hashes are in
 pallas_mosaic_gpu_inputs; the K/V ring, band mask, dropout round and the P·V forms shared with
@@ -134,7 +141,8 @@ from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_drop
                                                             pad_to, spec_for)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, bias_copy,
                                                                 dropout_keep, pv_from_registers,
-                                                                pv_from_smem, stream_kv, table_copies)
+                                                                pv_from_smem, drain_ring, stream_kv,
+                                                                table_copies)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
 
 
@@ -227,263 +235,336 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     dtype = jnp.dtype(spec.dtype)
     num_q_tiles = q_ref.shape[1] // bs.block_q
     splits = bs.num_splits
-    q_tile = lax.axis_index("q")
-    if splits > 1:  # KV splits: CTA (tile, split) visits its part of the tile's key range
-        split = lax.rem(q_tile, jnp.int32(splits))
-        q_tile = lax.div(q_tile, jnp.int32(splits))
-        out_ref, lse_ref = out_ref.at[split], lse_ref.at[split]
-    if bs.lpt_order:  # the longest (causal: last) query tiles of each head first
-        q_tile = num_q_tiles - 1 - q_tile
-    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    # One range per CTA, so every compute warpgroup consumes every tile the producer loads
-    # (and the ping-pong turns pair up).
-    if tok_refs is None:
-        r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                          diagonal_offset=spec.diagonal_offset, block_q=bs.block_q, block_kv=bkv)
-    else:  # segments: the block map's ranges of this batch row
-        r = tokens.load_ranges(tok_refs[0], batch, q_tile)
-    if splits > 1:
-        r = split_part(r, split, splits)
-    lo, full_lo, full_hi, hi = r.lo, r.full_lo, r.full_hi, r.hi
+    if bs.persistent:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile)
+        cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+        total = num_q_tiles * spec.num_heads * spec.batch
+        num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
 
-    def slot_of(step):
-        return lax.rem(step - lo, jnp.int32(stages))
+        def coords(i):
+            flat = i * num_ctas + cta
+            rest = lax.div(flat, jnp.int32(num_q_tiles))
+            return (lax.rem(flat, jnp.int32(num_q_tiles)), lax.rem(rest, jnp.int32(spec.num_heads)),
+                    lax.div(rest, jnp.int32(spec.num_heads)))
+    else:  # one tile per CTA: grid (q tile [x split], head, batch)
+        num_local = 1
+        q_axis, split = lax.axis_index("q"), None
+        if splits > 1:  # KV splits: CTA (tile, split) visits its part of the tile's key range
+            split = lax.rem(q_axis, jnp.int32(splits))
+            q_axis = lax.div(q_axis, jnp.int32(splits))
+            out_ref, lse_ref = out_ref.at[split], lse_ref.at[split]
+        head_axis, batch_axis = lax.axis_index("heads"), lax.axis_index("batch")
+
+        def coords(i):
+            del i
+            return q_axis, head_axis, batch_axis
+
+    def tile(i):
+        """(query tile, head, batch, key-tile ranges) of the CTA's i-th tile. One range per
+        tile for all warpgroups, so every compute warpgroup consumes every key tile the
+        producer loads (and the ping-pong turns pair up)."""
+        q_tile, head, batch = coords(i)
+        if bs.lpt_order:  # the longest (causal: last) query tiles of each head first
+            q_tile = num_q_tiles - 1 - q_tile
+        if tok_refs is None:
+            r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                              diagonal_offset=spec.diagonal_offset, block_q=bs.block_q,
+                              block_kv=bkv)
+        else:  # segments: the block map's ranges of this batch row
+            r = tokens.load_ranges(tok_refs[0], batch, q_tile)
+        if splits > 1:
+            r = split_part(r, split, splits)
+        return q_tile, head, batch, r
+
+    def for_each_tile(run_tile):
+        """run_tile(i, issued) -> issued + the tile's key tiles, over the CTA's tiles; issued
+        counts the key tiles streamed before, so the K/V ring's slots and barrier phases run on
+        across tiles (`stream_kv`). Returns the final count."""
+        if not bs.persistent:
+            return run_tile(0, 0)  # Python ints: no constant closes over the inner jaxprs
+        return lax.fori_loop(jnp.int32(0), num_local, run_tile, jnp.int32(0))
 
     @pl.when(wg < W)
     def _compute():
         plgpu.set_max_registers(bs.compute_registers, action="increase")
-        row0 = q_tile * bs.block_q + wg * rows
         q_wg = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, rows), head], q_wg, q_ready.at[wg])
-        if sink_ref is not None:
-            plgpu.copy_gmem_to_smem(sink_ref.at[head], sink_smem.at[wg], sink_ready.at[wg])
-        if hash_ref is not None:
-            plgpu.copy_gmem_to_smem(hash_ref.at[batch, head, pl.ds(row0, rows)], hash_smem.at[wg],
-                                    hash_ready.at[wg])
-        for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
-            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(row0, rows)], buf.at[wg], ready.at[wg])
-        pv = pv_from_smem if interpret else pv_from_registers
-        pair = _pair_in_turn if interpret else _pair_in_flight
-        p_wg = None if p_smem is None else p_smem.at[wg]
-        scale2 = spec.scale * LOG2E  # logits in log2 units: exp(x) = exp2(x log2 e)
-        cap = spec.logits_soft_cap
-        # Fold scale2 into exp2's argument, exp2(s scale2 - m): one FMA per logit (FA3).
-        fold = cap is None and spec.scale > 0 and bias_ref is None
-        kv_tail = spec.kv_len % bkv != 0  # the last key tile holds padded columns past S
-        has_sink = spec.softmax != "vanilla"
-        threshold = dropout_threshold(spec.dropout_rate)
-        row_hash = None  # dropout: the warpgroup's row hashes, loaded before the main loop
-        q_tokens = None  # segments: the warpgroup's (ids, positions), loaded before the loop
+        # Persistent with O in its own buffer: the next tile's Q loads during this tile's
+        # last P·V and store (Q is dead after the last S GEMM), and a store's TMA finishes
+        # under the next tile (awaited before O's buffer is written again).
+        prefetch = bs.persistent and not o_in_q
 
-        # Ping-pong (FA3's warp scheduler barrier): warpgroup w waits on named barrier
-        # base + w before issuing a block of GEMMs and then signals base + (w + 1) % W. Mosaic
-        # GPU owns barrier 0 and 1 + warpgroup index, so ours start after those.
-        base = W + 2
+        def load_q(i):
+            q_tile, head, batch, _ = tile(i)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_tile * bs.block_q + wg * rows, rows),
+                                             head], q_wg, q_ready.at[wg])
 
-        def turn_wait():
-            if bs.pingpong:
-                _named_barrier("sync", 2 * WARPGROUP)(base + wg)
+        if prefetch:
+            load_q(jnp.int32(0))
 
-        def turn_signal():
-            if bs.pingpong:
-                _named_barrier("arrive", 2 * WARPGROUP)(base + lax.rem(wg + 1, jnp.int32(W)))
+        def run_tile(i, issued):
+            q_tile, head, batch, r = tile(i)
+            lo, full_lo, full_hi, hi = r.lo, r.full_lo, r.full_hi, r.hi
+            row0 = q_tile * bs.block_q + wg * rows
+            if not prefetch:
+                load_q(i)
 
-        def first_turn_wait():  # warpgroup 0 issues the first block without waiting
-            pl.when(wg != 0)(turn_wait)
+            def slot_of(step):
+                return lax.rem(issued + step - lo, jnp.int32(stages))
 
-        def last_turn_signal():  # the last warpgroup's last signal would have no taker
-            pl.when(wg != W - 1)(turn_signal)
+            if sink_ref is not None:
+                plgpu.copy_gmem_to_smem(sink_ref.at[head], sink_smem.at[wg], sink_ready.at[wg])
+            if hash_ref is not None:
+                plgpu.copy_gmem_to_smem(hash_ref.at[batch, head, pl.ds(row0, rows)], hash_smem.at[wg],
+                                        hash_ready.at[wg])
+            for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
+                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(row0, rows)], buf.at[wg], ready.at[wg])
+            pv = pv_from_smem if interpret else pv_from_registers
+            pair = _pair_in_turn if interpret else _pair_in_flight
+            p_wg = None if p_smem is None else p_smem.at[wg]
+            scale2 = spec.scale * LOG2E  # logits in log2 units: exp(x) = exp2(x log2 e)
+            cap = spec.logits_soft_cap
+            # Fold scale2 into exp2's argument, exp2(s scale2 - m): one FMA per logit (FA3).
+            fold = cap is None and spec.scale > 0 and bias_ref is None
+            kv_tail = spec.kv_len % bkv != 0  # the last key tile holds padded columns past S
+            has_sink = spec.softmax != "vanilla"
+            threshold = dropout_threshold(spec.dropout_rate)
+            row_hash = None  # dropout: the warpgroup's row hashes, loaded before the main loop
+            q_tokens = None  # segments: the warpgroup's (ids, positions), loaded before the loop
 
-        def wait_k(step):
-            plgpu.barrier_wait(k_ready.at[slot_of(step)])
+            # Ping-pong (FA3's warp scheduler barrier): warpgroup w waits on named barrier
+            # base + w before issuing a block of GEMMs and then signals base + (w + 1) % W. Mosaic
+            # GPU owns barrier 0 and 1 + warpgroup index, so ours start after those.
+            base = W + 2
 
-        def qk(slot, during):
-            def mma(s_ref):
-                plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
-                during()
-                return s_ref[...]
+            def turn_wait():
+                if bs.pingpong:
+                    _named_barrier("sync", 2 * WARPGROUP)(base + wg)
 
-            s = pl.run_scoped(mma, plgpu.ACC((rows, bkv), jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            return s
+            def turn_signal():
+                if bs.pingpong:
+                    _named_barrier("arrive", 2 * WARPGROUP)(base + lax.rem(wg + 1, jnp.int32(W)))
 
-        def softmax(s, m_i, l_i, step, masked: bool):
-            """Online softmax of one tile of raw logits s: (P in the input dtype, new m, new l,
-            alpha = exp2(m_old - m_new), the factor O must be rescaled by)."""
-            # else every tile is FULL
-            masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
-            slot = slot_of(step)
-            for ready in kvtok_ready:  # every step observes its phase, masked or not
-                plgpu.barrier_wait(ready.at[slot])
-            bias = None
-            if bias_ref is not None:  # this warpgroup's rows of the key tile's bias
-                plgpu.barrier_wait(bias_ready.at[slot])
-                bias = bias_smem.at[slot, wg][...].astype(jnp.float32)
-            if cap is not None:  # cap tanh(scale s / cap) in log2 units, tanh x = 1 - 2 /
-                # (exp(2x) + 1): exact at both ends, finer than approx_math's tanh.approx.
-                if bias is None:
-                    e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
-                else:  # the bias joins the scaled logit before the cap (reference.py)
-                    e = jnp.exp2((s * spec.scale + bias) * (2.0 * LOG2E / cap))
-                s = (1.0 - 2.0 / (e + 1.0)) * (cap * LOG2E)
-            elif bias is not None:
-                s = s * scale2 + bias * LOG2E
-            elif not fold:
-                s = s * scale2
-            if masked and tok_refs:  # ids (and positions) of this key tile, from the ring
-                kv_tokens = [plgpu.load(buf.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                             for buf in kvtok_smem]
-                s = tokens.mask(s, q_tokens, kv_tokens + [None], spec, q_dim=0)
-            elif masked:  # only the boundary tiles of [lo, hi) pay for the mask
-                i = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 0, layout=plgpu.Layout.WGMMA)
-                j = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 1, layout=plgpu.Layout.WGMMA)
-                s = band_mask(s, i + (row0 + spec.diagonal_offset), j + step * bkv, spec, kv_tail)
-            m_tile = s.max(axis=1) * scale2 if fold else s.max(axis=1)
-            m_new = jnp.maximum(m_i, m_tile)
-            if (masked or bias is not None) and not has_sink:  # with a sink m starts finite
-                # A row with no visible key so far keeps m = -inf (a mask, or a bias of -inf
-                # even in a FULL tile); shift it by 0 instead, so exp2 gives exact zeros
-                # rather than NaN (-inf - -inf).
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            else:
-                m_safe = m_new  # an unmasked tile gives every row a finite maximum
-            alpha = jnp.exp2(m_i - m_safe)
-            m_b = lax.broadcast_in_dim(m_safe, s.shape, [0])
-            p = jnp.exp2(s * scale2 - m_b) if fold else jnp.exp2(s - m_b)
-            l_new = l_i * alpha + p.sum(axis=1)  # undropped: dropout acts after the softmax
-            if row_hash is not None:  # only P·V's P loses them (1 / (1 - rate) in store)
-                p = jnp.where(dropout_keep(row_hash, step * bkv, s.shape, 1, threshold), p, 0.0)
-            return p.astype(dtype), m_new, l_new, alpha
+            def first_turn_wait():  # warpgroup 0 issues the first block without waiting
+                pl.when(wg != 0)(turn_wait)
 
-        def rescale(acc, alpha):
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            def last_turn_signal():  # the last warpgroup's last signal would have no taker
+                pl.when(wg != W - 1)(turn_signal)
 
-        def run_steps(step, carry):
-            """step(j, carry, masked) over [lo, hi) ([lo + 1, hi) after the overlap's
-            prologue): the masked boundary runs around the unmasked middle [full_lo, full_hi)."""
-            a = lo + 1 if bs.intra_wg_overlap else lo  # overlap: step lo is the prologue
-            b, c = jnp.maximum(a, full_lo), jnp.maximum(a, full_hi)
-            carry = lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
-            return lax.fori_loop(c, hi, functools.partial(step, masked=True), carry)
+            def wait_k(step):
+                plgpu.barrier_wait(k_ready.at[slot_of(step)])
 
-        def plain_loop(acc, m_i, l_i):
-            # Per step: [S_j] turn_signal, softmax, turn_wait, [P_j V_j] (waits for K_j+1).
-            wait_k(lo)
-            first_turn_wait()
+            def qk(slot, during):
+                def mma(s_ref):
+                    plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
+                    during()
+                    return s_ref[...]
 
-            def step(j, carry, masked):
-                acc, m_i, l_i = carry
-                slot = slot_of(j)
-                s = qk(slot, turn_signal)
-                p16, m_i, l_i, alpha = softmax(s, m_i, l_i, j, masked)
-                # Finish the softmax before the barriers (jax's attention_mgpu and tokamax
-                # found this order much faster for head dims up to 128).
-                acc, p16, m_i, l_i = lax.optimization_barrier((rescale(acc, alpha), p16, m_i, l_i))
-                plgpu.barrier_wait(v_ready.at[slot])
-                turn_wait()
-                acc = pv(acc, p16, v_smem.at[slot], p_wg,
-                         lambda: pl.when(j + 1 < hi)(lambda: wait_k(j + 1)))
-                plgpu.barrier_arrive(v_consumed.at[slot])
+                s = pl.run_scoped(mma, plgpu.ACC((rows, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                return s
+
+            def softmax(s, m_i, l_i, step, masked: bool):
+                """Online softmax of one tile of raw logits s: (P in the input dtype, new m, new l,
+                alpha = exp2(m_old - m_new), the factor O must be rescaled by)."""
+                # else every tile is FULL
+                masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
+                slot = slot_of(step)
+                for ready in kvtok_ready:  # every step observes its phase, masked or not
+                    plgpu.barrier_wait(ready.at[slot])
+                bias = None
+                if bias_ref is not None:  # this warpgroup's rows of the key tile's bias
+                    plgpu.barrier_wait(bias_ready.at[slot])
+                    bias = bias_smem.at[slot, wg][...].astype(jnp.float32)
+                if cap is not None:  # cap tanh(scale s / cap) in log2 units, tanh x = 1 - 2 /
+                    # (exp(2x) + 1): exact at both ends, finer than approx_math's tanh.approx.
+                    if bias is None:
+                        e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
+                    else:  # the bias joins the scaled logit before the cap (reference.py)
+                        e = jnp.exp2((s * spec.scale + bias) * (2.0 * LOG2E / cap))
+                    s = (1.0 - 2.0 / (e + 1.0)) * (cap * LOG2E)
+                elif bias is not None:
+                    s = s * scale2 + bias * LOG2E
+                elif not fold:
+                    s = s * scale2
+                if masked and tok_refs:  # ids (and positions) of this key tile, from the ring
+                    kv_tokens = [plgpu.load(buf.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                                 for buf in kvtok_smem]
+                    s = tokens.mask(s, q_tokens, kv_tokens + [None], spec, q_dim=0)
+                elif masked:  # only the boundary tiles of [lo, hi) pay for the mask
+                    i = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 0, layout=plgpu.Layout.WGMMA)
+                    j = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    s = band_mask(s, i + (row0 + spec.diagonal_offset), j + step * bkv, spec, kv_tail)
+                m_tile = s.max(axis=1) * scale2 if fold else s.max(axis=1)
+                m_new = jnp.maximum(m_i, m_tile)
+                if (masked or bias is not None) and not has_sink:  # with a sink m starts finite
+                    # A row with no visible key so far keeps m = -inf (a mask, or a bias of -inf
+                    # even in a FULL tile); shift it by 0 instead, so exp2 gives exact zeros
+                    # rather than NaN (-inf - -inf).
+                    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                else:
+                    m_safe = m_new  # an unmasked tile gives every row a finite maximum
+                alpha = jnp.exp2(m_i - m_safe)
+                m_b = lax.broadcast_in_dim(m_safe, s.shape, [0])
+                p = jnp.exp2(s * scale2 - m_b) if fold else jnp.exp2(s - m_b)
+                l_new = l_i * alpha + p.sum(axis=1)  # undropped: dropout acts after the softmax
+                if row_hash is not None:  # only P·V's P loses them (1 / (1 - rate) in store)
+                    p = jnp.where(dropout_keep(row_hash, step * bkv, s.shape, 1, threshold), p, 0.0)
+                return p.astype(dtype), m_new, l_new, alpha
+
+            def rescale(acc, alpha):
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def run_steps(step, carry):
+                """step(j, carry, masked) over [lo, hi) ([lo + 1, hi) after the overlap's
+                prologue): the masked boundary runs around the unmasked middle [full_lo, full_hi)."""
+                a = lo + 1 if bs.intra_wg_overlap else lo  # overlap: step lo is the prologue
+                b, c = jnp.maximum(a, full_lo), jnp.maximum(a, full_hi)
+                carry = lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
+                carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
+                return lax.fori_loop(c, hi, functools.partial(step, masked=True), carry)
+
+            def plain_loop(acc, m_i, l_i):
+                # Per step: [S_j] turn_signal, softmax, turn_wait, [P_j V_j] (waits for K_j+1).
+                wait_k(lo)
+                first_turn_wait()
+
+                def step(j, carry, masked):
+                    acc, m_i, l_i = carry
+                    slot = slot_of(j)
+                    s = qk(slot, turn_signal)
+                    p16, m_i, l_i, alpha = softmax(s, m_i, l_i, j, masked)
+                    # Finish the softmax before the barriers (jax's attention_mgpu and tokamax
+                    # found this order much faster for head dims up to 128).
+                    acc, p16, m_i, l_i = lax.optimization_barrier((rescale(acc, alpha), p16, m_i, l_i))
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    turn_wait()
+                    acc = pv(acc, p16, v_smem.at[slot], p_wg,
+                             lambda: pl.when(j + 1 < hi)(lambda: wait_k(j + 1)))
+                    plgpu.barrier_arrive(v_consumed.at[slot])
+                    return acc, m_i, l_i
+
+                acc, m_i, l_i = run_steps(step, (acc, m_i, l_i))
+                last_turn_signal()
                 return acc, m_i, l_i
 
-            acc, m_i, l_i = run_steps(step, (acc, m_i, l_i))
-            last_turn_signal()
-            return acc, m_i, l_i
+            def overlap_loop(acc, m_i, l_i):
+                # Prologue [S_lo]; step j: [S_j, P_j-1 V_j-1] with softmax(S_j) under P·V;
+                # epilogue [P_hi-1 V_hi-1]. Each [...] is one ping-pong turn.
+                s_zero = plgpu.layout_cast(jnp.zeros((rows, bkv), jnp.float32), plgpu.Layout.WGMMA)
+                wait_k(lo)
+                first_turn_wait()
+                s = qk(slot_of(lo), turn_signal)
+                p16, m_i, l_i, _ = softmax(s, m_i, l_i, lo, masked=True)  # acc is 0: no rescale
 
-        def overlap_loop(acc, m_i, l_i):
-            # Prologue [S_lo]; step j: [S_j, P_j-1 V_j-1] with softmax(S_j) under P·V;
-            # epilogue [P_hi-1 V_hi-1]. Each [...] is one ping-pong turn.
-            s_zero = plgpu.layout_cast(jnp.zeros((rows, bkv), jnp.float32), plgpu.Layout.WGMMA)
-            wait_k(lo)
-            first_turn_wait()
-            s = qk(slot_of(lo), turn_signal)
-            p16, m_i, l_i, _ = softmax(s, m_i, l_i, lo, masked=True)  # acc is 0: no rescale
+                def step(j, carry, masked):
+                    acc, m_i, l_i, p_prev = carry
+                    slot, prev = slot_of(j), slot_of(j - 1)
+                    wait_k(j)
+                    plgpu.barrier_wait(v_ready.at[prev])
+                    turn_wait()
 
-            def step(j, carry, masked):
-                acc, m_i, l_i, p_prev = carry
-                slot, prev = slot_of(j), slot_of(j - 1)
-                wait_k(j)
-                plgpu.barrier_wait(v_ready.at[prev])
+                    def on_s(s):  # S_j is complete, P_j-1 V_j-1 may still run
+                        plgpu.barrier_arrive(k_consumed.at[slot])
+                        return softmax(s, m_i, l_i, j, masked)
+
+                    acc, (p16, m_new, l_new, alpha) = pair(
+                        acc, s_zero, q_wg, k_smem.at[slot].transpose((1, 0)), p_prev,
+                        v_smem.at[prev], p_wg, (p_prev, m_i, l_i, m_i), turn_signal, on_s)
+                    plgpu.barrier_arrive(v_consumed.at[prev])
+                    return rescale(acc, alpha), m_new, l_new, p16
+
+                acc, m_i, l_i, p16 = run_steps(step, (acc, m_i, l_i, p16))
+                last = slot_of(hi - 1)
+                plgpu.barrier_wait(v_ready.at[last])
                 turn_wait()
+                acc = pv(acc, p16, v_smem.at[last], p_wg, last_turn_signal)
+                plgpu.barrier_arrive(v_consumed.at[last])
+                return acc, m_i, l_i
 
-                def on_s(s):  # S_j is complete, P_j-1 V_j-1 may still run
-                    plgpu.barrier_arrive(k_consumed.at[slot])
-                    return softmax(s, m_i, l_i, j, masked)
-
-                acc, (p16, m_new, l_new, alpha) = pair(
-                    acc, s_zero, q_wg, k_smem.at[slot].transpose((1, 0)), p_prev,
-                    v_smem.at[prev], p_wg, (p_prev, m_i, l_i, m_i), turn_signal, on_s)
-                plgpu.barrier_arrive(v_consumed.at[prev])
-                return rescale(acc, alpha), m_new, l_new, p16
-
-            acc, m_i, l_i, p16 = run_steps(step, (acc, m_i, l_i, p16))
-            last = slot_of(hi - 1)
-            plgpu.barrier_wait(v_ready.at[last])
-            turn_wait()
-            acc = pv(acc, p16, v_smem.at[last], p_wg, last_turn_signal)
-            plgpu.barrier_arrive(v_consumed.at[last])
-            return acc, m_i, l_i
-
-        def store(acc, m_i, l_i):
-            seen = l_i > 0.0  # always true with a sink: an empty row gives 0 and lse = z
-            inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)  # an empty row gives 0
-            if spec.has_dropout:  # the kept probabilities' 1 / (1 - rate)
-                inv = inv * (1.0 / (1.0 - spec.dropout_rate))
-            o = rescale(acc, inv).astype(dtype)
-            log2_l = jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E
-            if o_in_q:  # a warpgroup barrier: every warp is past its last read of Q
+            def store(acc, m_i, l_i):
+                seen = l_i > 0.0  # always true with a sink: an empty row gives 0 and lse = z
+                inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)  # an empty row gives 0
+                if spec.has_dropout:  # the kept probabilities' 1 / (1 - rate)
+                    inv = inv * (1.0 / (1.0 - spec.dropout_rate))
+                o = rescale(acc, inv).astype(dtype)
+                log2_l = jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E
+                if o_in_q:  # a warpgroup barrier: every warp is past its last read of Q
+                    plgpu.commit_smem()
+                if bs.persistent and not o_in_q:  # the last tile's stores have read O, lse
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the issuing thread)
+                    plgpu.commit_smem()  # and the warpgroup waits for it
+                o_smem.at[wg][...] = o
+                lse_smem.at[wg][...] = jnp.where(seen, (m_i + log2_l) * LN2, EMPTY_ROW_LSE)
                 plgpu.commit_smem()
-            o_smem.at[wg][...] = o
-            lse_smem.at[wg][...] = jnp.where(seen, (m_i + log2_l) * LN2, EMPTY_ROW_LSE)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[batch, pl.ds(row0, rows), head])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, rows)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[batch, pl.ds(row0, rows), head])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, rows)])
+                if not prefetch:  # Q's buffer (O's, too) is rewritten by the next tile's load
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        acc = plgpu.layout_cast(jnp.zeros((rows, spec.v_dim), jnp.float32), plgpu.Layout.WGMMA)
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        if spec.softmax == "vanilla":
-            m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
-            l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
-        else:
-            # The sink is one more logit z (0 or sink[n]) with no value: start the online
-            # softmax from it, m = z and l = exp(z - m) = 1 (log2 units).
-            if sink_ref is None:  # off_by_one
-                m_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.zeros((rows, spec.v_dim), jnp.float32), plgpu.Layout.WGMMA)
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            if spec.softmax == "vanilla":
+                m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
+                l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
             else:
-                plgpu.barrier_wait(sink_ready.at[wg])
-                m_i = plgpu.load(sink_smem.at[wg], layout=row_layout)
-            l_i = plgpu.layout_cast(jnp.ones((rows,), jnp.float32), row_layout)
-        if hash_ref is not None:
-            plgpu.barrier_wait(hash_ready.at[wg])
-            row_hash = plgpu.load(hash_smem.at[wg], layout=row_layout)
-        if tok_refs:
-            for ready in qtok_ready:
-                plgpu.barrier_wait(ready.at[wg])
-            q_tokens = [plgpu.load(buf.at[wg], layout=row_layout) for buf in qtok_smem] + [None]
-        plgpu.barrier_wait(q_ready.at[wg])
-        main_loop = overlap_loop if bs.intra_wg_overlap else plain_loop
+                # The sink is one more logit z (0 or sink[n]) with no value: start the online
+                # softmax from it, m = z and l = exp(z - m) = 1 (log2 units).
+                if sink_ref is None:  # off_by_one
+                    m_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
+                else:
+                    plgpu.barrier_wait(sink_ready.at[wg])
+                    m_i = plgpu.load(sink_smem.at[wg], layout=row_layout)
+                l_i = plgpu.layout_cast(jnp.ones((rows,), jnp.float32), row_layout)
+            if hash_ref is not None:
+                plgpu.barrier_wait(hash_ready.at[wg])
+                row_hash = plgpu.load(hash_smem.at[wg], layout=row_layout)
+            if tok_refs:
+                for ready in qtok_ready:
+                    plgpu.barrier_wait(ready.at[wg])
+                q_tokens = [plgpu.load(buf.at[wg], layout=row_layout) for buf in qtok_smem] + [None]
+            plgpu.barrier_wait(q_ready.at[wg])
+            main_loop = overlap_loop if bs.intra_wg_overlap else plain_loop
 
-        @pl.when(hi > lo)
-        def _():
-            store(*main_loop(acc, m_i, l_i))
+            def finish(acc, m_i, l_i):
+                if prefetch:  # every S GEMM of the tile is done: Q's buffer is free
+                    pl.when(i + 1 < num_local)(lambda: load_q(i + 1))
+                store(acc, m_i, l_i)
 
-        @pl.when(hi <= lo)  # the tile sees no key: out 0, lse EMPTY_ROW_LSE or the sink
-        def _():
-            store(acc, m_i, l_i)
+            @pl.when(hi > lo)
+            def _():
+                finish(*main_loop(acc, m_i, l_i))
+
+            @pl.when(hi <= lo)  # the tile sees no key: out 0, lse EMPTY_ROW_LSE or the sink
+            def _():
+                finish(acc, m_i, l_i)
+
+            return issued + jnp.maximum(hi - lo, 0)
+
+        for_each_tile(run_tile)
+        if prefetch:  # the last tile's stores
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == W)
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
-        extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
-        if bias_ref is not None:
-            extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head, q_tile * bs.block_q,
-                                rows, W, bkv),)
-        stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
-                  batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=lo, hi=hi,
-                  bkv=bkv, stages=stages, slot_of=slot_of, extra=extra)
+
+        def run_tile(i, issued):
+            q_tile, head, batch, r = tile(i)
+            extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
+            if bias_ref is not None:
+                extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head,
+                                    q_tile * bs.block_q, rows, W, bkv),)
+            stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready),
+                      (k_consumed, v_consumed), batch=batch,
+                      kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=r.lo, hi=r.hi,
+                      bkv=bkv, stages=stages, slot_of=lambda step: lax.rem(
+                          issued + step - r.lo, jnp.int32(stages)),
+                      extra=extra, issued=issued, drain=not bs.persistent)
+            return issued + jnp.maximum(r.hi - r.lo, 0)
+
+        issued = for_each_tile(run_tile)
+        if bs.persistent:  # observe the last slots' releases once, after the last tile
+            drain_ring((k_consumed, v_consumed), issued, stages)
 
 
 def check(spec: AttentionSpec, bs: BlockSizes) -> None:
@@ -495,6 +576,22 @@ def check(spec: AttentionSpec, bs: BlockSizes) -> None:
                          f"{bs.num_stages}) needs {smem} bytes of shared memory with dropout's "
                          f"row hashes and the segment tables; at most {SMEM_BYTES} (use fewer "
                          "stages)")
+
+
+INTERPRET_CTAS = 3  # a persistent grid's CTAs in interpret mode (each runs several tiles)
+SM90_SMS = 132  # H100 SXM / H200 streaming multiprocessors
+
+
+def sm_count(interpret: bool) -> int:
+    """CTAs of a persistent grid: the GPU's SM count (`core_count`), INTERPRET_CTAS in the
+    interpreter, and SM90_SMS where no GPU is attached (the tests lower the GPU form on a CPU;
+    nothing runs there)."""
+    if interpret:
+        return INTERPRET_CTAS
+    try:
+        return jax.devices("gpu")[0].core_count
+    except RuntimeError:  # no GPU backend
+        return SM90_SMS
 
 
 def _sink_rows(spec: AttentionSpec, sink, rows: int):
@@ -585,10 +682,14 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
     out_type = (jax.ShapeDtypeStruct(lead + (spec.batch, Tp, spec.num_heads, spec.v_dim), dtype),
                 jax.ShapeDtypeStruct(lead + (spec.batch, spec.num_heads, Tp), jnp.float32))
     inputs = (q, k, v) + tuple(x for x in optional if x is not None) + tok_inputs
+    if bs.persistent:
+        grid = (min(Tp // bs.block_q * spec.num_heads * spec.batch, sm_count(interpret)),)
+        grid_names = ("sm",)
+    else:
+        grid = (Tp // bs.block_q * splits, spec.num_heads, spec.batch)
+        grid_names = ("q", "heads", "batch")
     out, lse = plgpu.kernel(
-        entry, out_type=out_type,
-        grid=(Tp // bs.block_q * splits, spec.num_heads, spec.batch),
-        grid_names=("q", "heads", "batch"),
+        entry, out_type=out_type, grid=grid, grid_names=grid_names,
         num_threads=W + 1, thread_name="wg",
         # No automatic barriers: the kernel orders its own SMEM accesses (commit_smem before
         # every TMA store and before O overwrites Q). No reduction scratch: the only

@@ -105,18 +105,19 @@ def band_mask(s, q_pos, key, spec: AttentionSpec, kv_tail: bool):
 
 
 def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int, stages: int, slot_of,
-              extra=()):
+              extra=(), issued=0, drain: bool = True):
     """The memory warpgroup's K/V ring (forward and dQ kernels): for key tiles lo .. hi - 1,
-    wait until the slot's last reader released it (from the `stages`-th tile on), then TMA K
-    and V into it, each with its own ready barrier (so P·V waits only for V). `extra`:
+    wait until the slot's last reader released it (once `stages` tiles have been loaded), then
+    TMA K and V into it, each with its own ready barrier (so P·V waits only for V). `extra`:
     callables issue(step, slot) that copy more of the key tile's data (segment tables, bias)
-    after V into the same slot, released with V. Then observe the
-    release of the last (up to `stages`) slots too, so every phase of the consumed barriers is
-    waited for exactly once (the interpreter checks this at deallocation; on hardware it keeps
-    the phases in step). refs, smems, ready, consumed: (K, V) pairs; slot_of(step) -> slot."""
+    after V into the same slot, released with V. refs, smems, ready, consumed: (K, V) pairs;
+    slot_of(step) -> slot. issued: key tiles this ring streamed before (a persistent kernel's
+    earlier tiles; slot_of counts them too). With `drain`, then observe the release of the last
+    (up to `stages`) slots too (`drain_ring`); a persistent kernel drains once, after its last
+    tile."""
     @pl.loop(lo, hi)
     def _(step):
-        slot, reuse = slot_of(step), step - lo >= stages
+        slot, reuse = slot_of(step), issued + step - lo >= stages
         rows = (batch, pl.ds(step * bkv, bkv), kv_head)
         for ref, smem, arrived, released in zip(refs, smems, ready, consumed):
             @pl.when(reuse)
@@ -127,7 +128,15 @@ def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int,
         for issue in extra:
             issue(step, slot)
 
-    @pl.loop(jnp.maximum(hi - stages, lo), hi)
-    def _(step):
+    if drain:
+        drain_ring(consumed, issued + jnp.maximum(hi - lo, 0), stages)
+
+
+def drain_ring(consumed, issued, stages: int):
+    """Wait for the release of the last (up to `stages`) of `issued` ring loads, so every phase
+    of the consumed barriers is waited for exactly once (the interpreter checks this at
+    deallocation; on hardware it keeps the phases in step). Slot of load c: c % stages."""
+    @pl.loop(jnp.maximum(jnp.asarray(issued, jnp.int32) - stages, 0), issued)
+    def _(c):
         for released in consumed:
-            plgpu.barrier_wait(released.at[slot_of(step)])
+            plgpu.barrier_wait(released.at[lax.rem(c, jnp.int32(stages))])

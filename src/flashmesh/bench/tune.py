@@ -22,6 +22,7 @@ it checks the plumbing; its times say nothing about a GPU and it writes no table
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -45,6 +46,9 @@ SEARCH = dict(  # the candidate grid; invalid combinations (SMEM, registers) are
     num_stages=(2, 3),
     intra_wg_overlap=(False, True),
 )
+# (persistent, reuse_q_for_o) variants of the call's current config, tried right after it
+# (a persistent grid with O in its own buffer prefetches the next tile's Q)
+PERSISTENT = ((True, False), (True, True))
 
 
 def spec_of(shape: Shape, dtype: str = "bfloat16"):
@@ -72,7 +76,9 @@ def candidates(spec, limit: int | None = None) -> list:
                              SEARCH["intra_wg_overlap"])
     windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w)
                for kv, w in itertools.product((64, 128), (2, 1)))
-    for bs in itertools.chain([default], windows, (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
+    persistent = ([dataclasses.replace(default, persistent=p, reuse_q_for_o=r) for p, r in PERSISTENT]
+                  if isinstance(default, common.BlockSizes) and default.num_splits == 1 else [])
+    for bs in itertools.chain([default], persistent, windows, (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
                                                                       num_stages=st, intra_wg_overlap=ov)
                                                    for (bq, w), kv, st, ov in grid)):
         try:
@@ -124,7 +130,11 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
         best = res["best"]
         fields = (("kernel", "block_kv", "num_compute_wgs") if best.get("kernel") == "window" else
                   ("block_q", "block_kv", "num_stages", "num_compute_wgs", "intra_wg_overlap"))
-        config = {f: best[f] for f in fields}
+        # the schedule flags only where they differ from BlockSizes' defaults
+        defaults = dataclasses.asdict(common.BlockSizes())
+        config = {f: best[f] for f in fields} | {
+            f: best[f] for f in ("persistent", "reuse_q_for_o")
+            if best.get("kernel") != "window" and f in best and best[f] != defaults[f]}
         entry = tune_measure.table_entry(entries, res["shape"], res["key"])
         best_row = next((r for r in res["rows"] if r.get("config") == best), {})
         if best_row.get("compile_s") is not None:  # what explain reports as its compile time
