@@ -352,6 +352,11 @@ def test_default_for_heuristic_and_devices():
     assert mg.default_for(make_spec(40, 40, Dqk=64), H100).num_compute_wgs == 1
     assert mg.default_for(make_spec(2048, 2048, Dqk=128, dtype="float8_e4m3fn"), H100).block_kv == 128
     assert mg.default_for(make_spec(512, 512, (63, 64), Dqk=192, Dv=128), H100).block_kv == 64
+    # no band mask: persistent, O in its own buffer where it fits (d96: 2 stages of 128 keys
+    # plus Q and O fit); a causal call keeps the launch grid
+    full = mg.default_for(make_spec(4000, 4000, N=32, K=8, Dqk=96), H100)
+    assert full.persistent and not full.reuse_q_for_o
+    assert not mg.heuristic(make_spec(4000, 4000, (-1, 0), N=32, K=8, Dqk=96)).persistent
     with pytest.raises(NotImplementedError, match="Hopper"):
         mg.default_for(make_spec(128, 128), "NVIDIA A100-SXM4-80GB")
 
