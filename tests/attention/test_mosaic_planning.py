@@ -357,6 +357,10 @@ def test_default_for_heuristic_and_devices():
     full = mg.default_for(make_spec(4000, 4000, N=32, K=8, Dqk=96), H100)
     assert full.persistent and not full.reuse_q_for_o
     assert not mg.heuristic(make_spec(4000, 4000, (-1, 0), N=32, K=8, Dqk=96)).persistent
+    # a persistent table entry (full_4k_h16_d128's) on a call too small to fill the chip: KV
+    # splits on the launch grid instead
+    small = mg.default_for(make_spec(200, 136, N=4, K=1, Dqk=128), H100)
+    assert small.num_splits > 1 and not small.persistent
     with pytest.raises(NotImplementedError, match="Hopper"):
         mg.default_for(make_spec(128, 128), "NVIDIA A100-SXM4-80GB")
 

@@ -623,7 +623,8 @@ def default_for(spec: AttentionSpec, device_kind: str) -> "BlockSizes | WindowBl
     entry = matching_entry(spec, device_kind)
     bs = heuristic(spec) if entry is None else forward_config(entry["config"])
     if entry is not None and isinstance(bs, BlockSizes) and "num_splits" not in entry["config"]:
-        bs = dataclasses.replace(bs, num_splits=split_kv(spec, bs))
+        splits = split_kv(spec, bs)  # a call too small to fill the chip: split, not persistent
+        bs = dataclasses.replace(bs, num_splits=splits, persistent=bs.persistent and splits == 1)
     return bs.validate_for(spec)
 
 
