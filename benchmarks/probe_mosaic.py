@@ -10,7 +10,9 @@ library's: for timing only, see `_pair_keep`, `_pair8_keep`, `_round1_keep`)). `
 backward kernels alone (`pallas_mosaic_gpu_sm90_bwd.backward_spec`) per BackwardBlockSizes in
 BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each checked against
 the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
-over a small grid of valid configs (`bwd_grid`)."""
+over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (each config with
+BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds."""
+import dataclasses
 import itertools
 import sys
 import time
@@ -124,6 +126,10 @@ EXTRA = {  # shape-specific tiles
 # BackwardBlockSizes fields per backward config; dict() is default_for's two-kernel backward.
 BWD_CONFIGS = [dict(), dict(num_stages=2, fused_dq=True), dict(num_stages=1, fused_dq=True),
                dict(num_stages=2, fused_dq=True, dq_columns=True)]
+# `--bwd-overlap`: default_for's config and the fused form by columns, each with overlap off
+# and on (the GEMMs of a step under its arithmetic), alternated in 3 rounds
+BWD_OVERLAP = [dict(), dict(overlap=True), dict(num_stages=2, fused_dq=True, dq_columns=True),
+               dict(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)]
 
 
 def bwd_grid(spec):
@@ -168,22 +174,38 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
         q, k, v, mask="causal" if causal else "none", window=None if window[0] < 0 else window,
         implementation="cudnn").astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
     print(f"  bwd cudnn (fwd+bwd - fwd): {back_to_back(cudnn, q, k, v) - t_cudnn_fwd:.3f} ms", flush=True)
-    first = None
-    for cfg in bwd_grid(spec) if "--bwd-grid" in sys.argv else BWD_CONFIGS:
+    first, alternated = None, "--bwd-overlap" in sys.argv
+    configs = (bwd_grid(spec) if "--bwd-grid" in sys.argv else BWD_OVERLAP if alternated
+               else BWD_CONFIGS)
+    timed = {}
+    for cfg in configs:
         try:
-            bs = bwd.default_for(spec) if not cfg else bwd.BackwardBlockSizes(**cfg)
-            f = jax.jit(lambda q, k, v, out, lse, do: bwd.backward_spec(q, k, v, out, lse, do, spec,
-                                                                       block_sizes=bs)[:3])
+            bs = bwd.default_for(spec)
+            if cfg:  # on top of today's config with --bwd-overlap, else on the defaults
+                bs = (dataclasses.replace(bs, **cfg) if alternated
+                      else bwd.BackwardBlockSizes(**cfg)).validate_for(spec)
+            f = jax.jit(lambda q, k, v, out, lse, do, bs=bs: bwd.backward_spec(
+                q, k, v, out, lse, do, spec, block_sizes=bs)[:3])
             grads = jax.block_until_ready(f(q, k, v, out, lse, do))
             first = grads if first is None else first
             err = max(float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
                       for a, b in zip(grads, first))
+            if alternated:
+                timed[str(cfg or "default")] = (f, err)
+                continue
             t = back_to_back(f, q, k, v, out, lse, do)
             print(f"  bwd mosaic {cfg or 'default'}: {t:.3f} ms, max rel err vs default {err:.1e}", flush=True)
         except Exception as e:  # a probe: report and go on
             print(f"  bwd mosaic {cfg or 'default'}: FAILED {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:400] if str(e) else ''}", flush=True)
             traceback.print_exc(limit=3)
+    rounds = {label: [] for label in timed}
+    for _ in range(3 if timed else 0):
+        for label, (f, _) in timed.items():
+            rounds[label].append(back_to_back(f, q, k, v, out, lse, do))
+    for label, ts in rounds.items():
+        print(f"  bwd mosaic {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
+              f"max rel err vs default {timed[label][1]:.1e}", flush=True)
 
 
 def back_to_back(f, *args, n=20):
@@ -207,7 +229,7 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
-        if "--bwd" in sys.argv or "--bwd-grid" in sys.argv:
+        if {"--bwd", "--bwd-grid", "--bwd-overlap"} & set(sys.argv):
             backward_alone(name, q, k, v, window, t_ref)
             continue
         if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's

@@ -135,6 +135,21 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          blocks=BBS(num_stages=1, fused_dq=True, dq_columns=True)),
     Case("gpu_fused_dq_columns_mla_128_64_f16", T=512, S=512, N=4, K=1, Dqk=128, Dv=64,
          window=(-1, 0), dtype="float16", blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True)),
+    # overlap (GEMMs under the step's arithmetic): written 2026-12-05 without a GPU, lowered for
+    # cuda on CPU (test_gpu_path_lowers_for_cuda); these are its first compiled runs
+    Case("gpu_overlap_d128_causal_gqa_tails", T=1000, S=1000, N=8, K=2, Dqk=128, Dv=128,
+         window=(-1, 0), blocks=BBS(num_stages=2, block_kv_dq=128, overlap=True)),
+    Case("gpu_overlap_d128_full_cap_learnable", T=700, S=900, N=4, K=4, Dqk=128, Dv=128,
+         cap=2.0, softmax="learnable", blocks=BBS(num_stages=2, overlap=True)),
+    Case("gpu_overlap_diagonal_one_wg_empty_rows", T=200, S=128, N=2, K=1, window=(0, 0),
+         softmax="off_by_one", blocks=dataclasses.replace(ONE_WG, overlap=True)),
+    Case("gpu_overlap_fused_columns_d128_causal", T=1024, S=1024, N=4, K=2, Dqk=128, Dv=128,
+         window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)),
+    Case("gpu_overlap_fused_d64_full_tails_stagger", T=1000, S=1000, N=4, K=2, window=(-1, -1),
+         blocks=BBS(block_q=128, num_stages=2, fused_dq=True, stagger_q=True, overlap=True)),
+    Case("gpu_overlap_fused_mla_128_64_f16_window", T=512, S=600, N=4, K=1, Dqk=128, Dv=64,
+         window=(100, 20), dtype="float16",
+         blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)),
 ]
 
 
@@ -232,6 +247,13 @@ def test_backward_gpu(case):
          blocks=BBS(num_stages=2, fused_dq=True, stagger_q=True)),
     Case("fused_dq_columns_d128_causal", T=512, S=512, N=4, K=2, Dqk=128, Dv=128, window=(-1, 0),
          blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True)),
+    # overlap: the pipelined dK/dV step (its dV GEMM in flight under dSᵀ's arithmetic)
+    Case("overlap_d128_causal_cap_learnable", T=512, S=520, N=4, K=2, Dqk=128, Dv=128,
+         window=(-1, 0), cap=2.0, softmax="learnable", blocks=BBS(num_stages=2, overlap=True)),
+    Case("overlap_fused_columns_d128_window", T=512, S=512, N=4, K=2, Dqk=128, Dv=128,
+         window=(64, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)),
+    Case("overlap_fused_d64_one_wg", T=200, S=300, N=2, K=1, window=(-1, -1),
+         blocks=dataclasses.replace(ONE_WG, fused_dq=True, overlap=True)),
 ], ids=lambda c: c.name)
 def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU
@@ -327,6 +349,10 @@ def test_block_sizes_and_refusals():
     assert BBS(split_dkv=True).registers(mla)["dkv"] <= 240
     with pytest.raises(ValueError, match="split_dkv=1 must be a bool"):
         BBS(split_dkv=1)
+    with pytest.raises(ValueError, match="overlap=1 must be a bool"):
+        BBS(overlap=1)
+    with pytest.raises(ValueError, match="overlap=True needs split_dkv=False"):
+        BBS(overlap=True, split_dkv=True)
     with pytest.raises(ValueError, match="stagger_q=True needs fused_dq=True"):
         BBS(stagger_q=True)
     with pytest.raises(ValueError, match="fused_dq=True needs split_dkv=False"):

@@ -145,6 +145,12 @@ GPU_CASES = [
     Case("gpu_fused_dq_columns_d128_causal_gqa", T=1024, S=1024, N=8, K=2, D=128,
          options=(("mask", "causal"),),
          blocks=(TWO_WG, dataclasses.replace(TWO_WG_BWD, fused_dq=True, dq_columns=True))),
+    # the overlapped backward step (BackwardBlockSizes.overlap; written without a GPU, 2026-12-05)
+    Case("gpu_overlap_d128_causal_gqa", T=1024, S=1024, N=8, K=2, D=128, options=(("mask", "causal"),),
+         blocks=(TWO_WG, dataclasses.replace(TWO_WG_BWD, overlap=True))),
+    Case("gpu_overlap_fused_columns_d128_window_tails", T=1000, S=1000, N=4, K=2, D=128,
+         options=(("mask", "causal"), ("window", (200, 0))),
+         blocks=(TWO_WG, dataclasses.replace(TWO_WG_BWD, fused_dq=True, dq_columns=True, overlap=True))),
 ]
 
 
@@ -260,11 +266,12 @@ def test_refusals_and_bad_arguments():
         sm90.check(dataclasses.replace(spec, dropout_rate=1.5), ONE_WG)
 
 
-@pytest.mark.parametrize("T, D, window, blocks", [
-    (1024, 128, (-1, 0), BlockSizes()),  # ping-pong, P from registers
-    (1024, 128, (100, 0), BlockSizes(intra_wg_overlap=True)),  # both GEMMs in flight
-], ids=["pingpong", "overlap"])
-def test_gpu_path_lowers_on_cpu(T, D, window, blocks, monkeypatch):
+@pytest.mark.parametrize("T, D, window, blocks, back", [
+    (1024, 128, (-1, 0), BlockSizes(), None),  # ping-pong, P from registers
+    (1024, 128, (100, 0), BlockSizes(intra_wg_overlap=True), None),  # both GEMMs in flight
+    (1024, 128, (-1, 0), BlockSizes(), bwd.BackwardBlockSizes(num_stages=2, overlap=True)),
+], ids=["pingpong", "overlap", "backward_overlap"])
+def test_gpu_path_lowers_on_cpu(T, D, window, blocks, back, monkeypatch):
     """The compiled forward and backward with dropout (uint32 multiply, xor, logical shift and
     unsigned compare on WGMMA-layout arrays) lower through Mosaic GPU for cuda on a machine
     without a GPU; the forward's shared memory is `sm90.smem_bytes` exactly, the backward's
@@ -286,10 +293,10 @@ def test_gpu_path_lowers_on_cpu(T, D, window, blocks, monkeypatch):
     def fwd_and_bwd(q, k, v, seed, do):
         h = sm90.dropout_row_hash(spec, seed)
         out, lse = sm90.forward_spec(q, k, v, spec, dropout_hash=h, block_sizes=blocks)
-        return bwd.backward_spec(q, k, v, out, lse, do, spec, dropout_hash=h)
+        return bwd.backward_spec(q, k, v, out, lse, do, spec, dropout_hash=h, block_sizes=back)
 
     jax.jit(fwd_and_bwd).trace(q, kv, kv, seed, q).lower(lowering_platforms=("cuda",))
-    estimate = bwd.default_for(spec).smem_bytes(spec)
+    estimate = (back or bwd.default_for(spec)).smem_bytes(spec)
     assert len(counted) == 3, counted
     assert counted[0] == sm90.smem_bytes(spec, blocks), (counted, sm90.smem_bytes(spec, blocks))
     assert counted[1] <= estimate["dkv"] and counted[2] <= estimate["dq"], (counted, estimate)

@@ -91,6 +91,13 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
          blocks=(FWD, dataclasses.replace(BWD, fused_dq=True, dq_columns=True)),
          q_ids=(tuple((i + 1, n) for i, n in enumerate(
              [97, 400, 31, 256, 512, 129, 64, 300, 199, 255, 257, 130, 70, 600, 300, 306])),)),
+    # the overlapped backward step (BackwardBlockSizes.overlap; written without a GPU, 2026-12-05)
+    Case("gpu_overlap_packed_window_gqa_tails_learnable_bias_cap", q_ids=PACKED, window=(40, 0),
+         softmax="learnable", bias=(2, 1), cap=5.0,
+         blocks=(FWD, dataclasses.replace(BWD, overlap=True))),
+    Case("gpu_overlap_fused_padding_cross_dropout", mask="none", dropout_rate=0.2, seqlens=True,
+         q_ids=(((1, 70), (0, 30)), ((1, 100),)), kv_ids=(((1, 110),), ((1, 40), (0, 70))),
+         blocks=(FWD, dataclasses.replace(BWD, fused_dq=True, overlap=True))),
 ]
 # In the interpreter: the fused backward with packed documents, a window and dropout.
 FUSED_CASE = Case("fused_dq_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.25,

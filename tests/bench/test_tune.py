@@ -116,6 +116,9 @@ def test_backward_candidates_start_with_todays_config_and_all_fit():
     for bs in found:
         assert bs.validate_for(spec) is bs
     assert tune_backward.candidates(spec, 2) == found[:2]
+    # each config followed by its twin with the other overlap (today's first)
+    assert found[1] == dataclasses.replace(found[0], overlap=not found[0].overlap)
+    assert all(dataclasses.replace(bs, overlap=not bs.overlap) in found for bs in found)
     assert not any(bs.dq_columns for bs in found)  # d64: half the columns is no whole swizzle tile
     d128 = tune_backward.candidates(tune.spec_of(ANCHORS["full_4k_h16_d128"]))
     assert any(bs.dq_columns and bs.stagger_q for bs in d128) and any(bs.dq_columns and not bs.stagger_q for bs in d128)

@@ -180,10 +180,12 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
     if back.fused_dq:
         backward = (f"backward one fused kernel {back.block_q}x{back.block_kv} (dK/dV, and dQ by TMA "
                     f"reduce-add{', staggered' if back.stagger_q else ''}"
-                    f"{', split by columns' if back.dq_columns else ''}; not bit-reproducible)")
+                    f"{', split by columns' if back.dq_columns else ''}; not bit-reproducible)"
+                    f"{', GEMMs overlapping the arithmetic' if back.overlap else ''}")
     else:
         backward = (f"backward dK/dV {back.block_q}x{back.block_kv}{passes}, dQ "
-                    f"{back.block_q_dq}x{back.block_kv_dq}")
+                    f"{back.block_q_dq}x{back.block_kv_dq}"
+                    f"{', GEMMs overlapping the arithmetic' if back.overlap else ''}")
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_tiles as bwd_tiles
 
     measured = bwd_tiles.measured_entry(spec)

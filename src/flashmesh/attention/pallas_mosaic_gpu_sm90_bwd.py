@@ -76,9 +76,14 @@ Tiles, their register and shared-memory counts and the default live in
 pallas_mosaic_gpu_sm90_bwd_tiles; argument checks in pallas_mosaic_gpu_inputs; the K/V ring,
 band mask and dropout round shared with the forward in pallas_mosaic_gpu_sm90_parts.
 
+`BackwardBlockSizes.overlap` (opt-in, untimed: written without a GPU) reorders a dK/dV step on
+a GPU after FA3 (`pipelined`): Sᵀ and dPᵀ issued, Pᵀ computed once Sᵀ is in (`wait_n=1`) while
+dPᵀ runs, dV += Pᵀ dO issued before dSᵀ is computed, then dK's (and the fused dQ's) GEMMs, all
+awaited once per step; the dQ kernel computes P while dP runs. The arithmetic is unchanged.
+
 Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte rows), above
 256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
-step's (wgmma_wait(1)), ping-pong between
+step's, ping-pong between
 warpgroups, a persistent LPT grid, OOB-filled TMA instead of padded copies,
 `unsafe_no_auto_barriers`; at d128 the fused kernel is slower than the two (3.28 against 2.95
 ms causal 8k, 4.81 against 3.02 full 4k on the H200, `benchmarks/probe_mosaic.py --bwd-grid`).
@@ -139,12 +144,15 @@ def _iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _two_products(a1, b1, a2, b2, shape1, shape2):
-    """(a1 b1, a2 b2) of SMEM operands, both issued before either is awaited."""
+def _products_overlapped(a1, b1, a2, b2, shape1, shape2, on_first, overlap: bool):
+    """(on_first(a1 b1), a2 b2) of SMEM operands, both issued before either is awaited; with
+    `overlap`, on_first runs once the first is in (`wait_n=1`: WGMMA groups complete in order)
+    while the second is in flight, else once both are."""
     def mma(acc1, acc2):
         plgpu.wgmma(acc1, a1, b1)
         plgpu.wgmma(acc2, a2, b2)
-        return acc1[...], acc2[...]
+        first = plgpu.wgmma_accumulator_load(acc1, wait_n=1 if overlap else 0)
+        return on_first(first), acc2[...]
 
     return pl.run_scoped(mma, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
 
@@ -276,75 +284,137 @@ def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_
             for barrier in stats_ready:
                 plgpu.barrier_wait(barrier.at[slot])
             q_tile_s, do_tile = q_smem.at[slot], do_smem.at[slot]
-            if part == "dv":
-                def qk(acc):
-                    plgpu.wgmma(acc, k_smem.at[wg], q_tile_s.transpose((1, 0)))
-                    return acc[...]
 
-                st, dpt = pl.run_scoped(qk, plgpu.ACC((rows, bq), jnp.float32)), None
-            else:
-                st, dpt = _two_products(k_smem.at[wg], q_tile_s.transpose((1, 0)),
-                                        v_smem.at[wg], do_tile.transpose((1, 0)),
-                                        (rows, bq), (rows, bq))
-            bias = None if bias_ref is None else bias_smem.at[slot, wg][...].astype(jnp.float32)
-            st2, dcap = _logits2(st, spec, bias)
-            if masked and tok_refs:  # rows are keys, columns queries
-                q_tokens = [plgpu.load(buf.at[slot], layout=COL) for buf in qtok_smem] + [None]
-                st2 = tokens.mask(st2, q_tokens, kv_tokens, spec, q_dim=1)
-            elif masked:  # rows are keys, columns queries
-                key = _iota((rows, bq), 0) + key0
-                q_pos = _iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
-                st2 = band_mask(st2, q_pos, key, spec, kv_tail)
-            lse = plgpu.load(lse_smem.at[slot], layout=COL)
-            pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
-            pt_v = pt  # the P of dV: the kept elements (dropout's 1 / (1 - r) at the end)
-            if dropout:  # keys are rows here: the queries' hashes run along the columns
+            def probabilities(st):  # Sᵀ -> (Pᵀ, the Pᵀ of dV, dropout's keep or None, cap slope)
+                bias = None if bias_ref is None else bias_smem.at[slot, wg][...].astype(jnp.float32)
+                st2, dcap = _logits2(st, spec, bias)
+                if masked and tok_refs:  # rows are keys, columns queries
+                    q_tokens = [plgpu.load(buf.at[slot], layout=COL) for buf in qtok_smem] + [None]
+                    st2 = tokens.mask(st2, q_tokens, kv_tokens, spec, q_dim=1)
+                elif masked:  # rows are keys, columns queries
+                    key = _iota((rows, bq), 0) + key0
+                    q_pos = _iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
+                    st2 = band_mask(st2, q_pos, key, spec, kv_tail)
+                lse = plgpu.load(lse_smem.at[slot], layout=COL)
+                pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
+                if not dropout:  # the P of dV: the kept elements (1 / (1 - r) at the end)
+                    return pt, pt, None, dcap
+                # keys are rows here: the queries' hashes run along the columns
                 keep = dropout_keep(plgpu.load(hash_smem.at[slot], layout=COL), key0, pt.shape,
                                     0, dropout_threshold(spec.dropout_rate))
-                pt_v = jnp.where(keep, pt, 0.0)
-                dpt = None if dpt is None else jnp.where(keep, dpt, 0.0)
-            lhs, rhs = [], []
-            if part != "dv":
+                return pt, jnp.where(keep, pt, 0.0), keep, dcap
+
+            def score_grads(pt, dpt, keep, dcap):  # dSᵀ in the inputs' dtype
+                if keep is not None:
+                    dpt = jnp.where(keep, dpt, 0.0)
                 delta = plgpu.load(delta_smem.at[slot], layout=COL)
                 dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
                 if dcap is not None:
                     dst = dst * dcap
                     if masked:  # a masked pair's cap slope may be NaN (its bias: padding)
                         dst = jnp.where(pt == 0.0, 0.0, dst)
-                lhs, rhs = [dst.astype(dtype)], [q_tile_s]
+                return dst.astype(dtype)
+
+            if bs.overlap and not interpret and part == "both":
+                carry, part_dq = pipelined(carry, q_tile_s, do_tile, probabilities, score_grads,
+                                           step)
+                plgpu.barrier_arrive(consumed.at[slot])
+                if dq_ref is not None:
+                    _dq_store(part_dq, q_tile, kv_head * G + g)
+                return carry
+            if part == "dv":
+                def qk(acc):
+                    plgpu.wgmma(acc, k_smem.at[wg], q_tile_s.transpose((1, 0)))
+                    return acc[...]
+
+                (pt, pt_v, keep, dcap), dpt = probabilities(
+                    pl.run_scoped(qk, plgpu.ACC((rows, bq), jnp.float32))), None
+            else:
+                (pt, pt_v, keep, dcap), dpt = _products_overlapped(
+                    k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
+                    do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
+                    bs.overlap)
+            lhs, rhs = [], []
+            if part != "dv":
+                lhs, rhs = [score_grads(pt, dpt, keep, dcap)], [q_tile_s]
             if part != "dk":
                 lhs, rhs = lhs + [pt_v.astype(dtype)], rhs + [do_tile]
             used = None if staging is None else staging[:len(lhs)]
             carry = accumulate(carry, tuple(lhs), tuple(rhs), used)
             plgpu.barrier_arrive(consumed.at[slot])
             if dq_ref is not None:
-                _dq_step(lhs[0], q_tile, kv_head * G + g, step)
+                def mma(acc):
+                    _dq_gemm(acc, lhs[0], step)
+                    return acc[...]
+
+                part_dq = pl.run_scoped(mma, plgpu.ACC((bq, dq_width), jnp.float32))
+                _dq_store(part_dq, q_tile, kv_head * G + g)
             return carry
 
-        def _dq_step(ds16, q_tile, head, step):
-            """dQ[q rows] += dS K (FA3's fifth GEMM): dSᵀ to SMEM, a GEMM with it as the
-            transposed A, the float32 partial out of SMEM by a TMA reduce-add. Over this
-            warpgroup's keys and every column, or (dq_columns) over both warpgroups' keys and
-            this warpgroup's share of the columns, once both dSᵀ are in."""
+        def pipelined(carry, q_tile_s, do_tile, probabilities, score_grads, step):
+            """One step on a GPU with its GEMMs overlapping its arithmetic (FA3's order): Sᵀ
+            and dPᵀ issued together, Pᵀ computed once Sᵀ is in (`wait_n=1`) while dPᵀ runs;
+            dV += Pᵀ dO issued before dSᵀ is computed, so it runs under that arithmetic; then
+            dK += dSᵀ Q and, fused, dQ's GEMM, all awaited once at the end. Returns the carry
+            (dK, dV) and the step's partial dQ (None unless fused)."""
+            fused = dq_ref is not None
+            accs = tuple(plgpu.ACC.init(x) for x in carry)
+            state = accs + ((_zeros((bq, dq_width)),) if fused else ())  # then a plain ref
+
+            def body(refs):
+                dk_ref, dv_ref = refs[:2]
+
+                (pt, pt_v, keep, dcap), dpt = _products_overlapped(
+                    k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
+                    do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
+                    bs.overlap)
+                plgpu.wgmma(dv_ref, pt_v.astype(dtype), do_tile)
+                dst = score_grads(pt, dpt, keep, dcap)
+                if fused:  # dSᵀ to SMEM before dK's GEMM is issued (dQ's reads it there)
+                    _ds_to_smem(dst, step)
+                plgpu.wgmma(dk_ref, dst, q_tile_s)
+                if fused:  # its accumulator allocated here, not held through the step
+                    def dq_mma(acc):
+                        _dq_gemm(acc, None, step)
+                        return acc[...]
+
+                    refs[2][...] = pl.run_scoped(dq_mma, plgpu.ACC((bq, dq_width), jnp.float32))
+
+            out = pl.run_state(body)(state)
+            return out[:2], (out[2] if fused else None)
+
+        def _ds_to_smem(ds16, step):
+            """dSᵀ into this warpgroup's SMEM buffer (by step parity with dq_columns, which
+            then tells the other warpgroup it is there)."""
             if bs.dq_columns:
                 parity = lax.rem(step, 2)
                 ds_smem.at[parity, wg][...] = ds16
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_ready.at[parity])
+            else:
+                ds_smem.at[wg][...] = ds16
+                plgpu.commit_smem()
+
+        def _dq_gemm(acc, ds16, step):
+            """acc += dS K (FA3's fifth GEMM, dSᵀ from SMEM as the transposed A; ds16, when
+            given, is stored there first): over this warpgroup's keys and every column, or
+            (dq_columns) over both warpgroups' keys and this warpgroup's share of the columns,
+            once the other's dSᵀ is in."""
+            if ds16 is not None:
+                _ds_to_smem(ds16, step)
+            if bs.dq_columns:
+                parity = lax.rem(step, 2)
                 plgpu.barrier_wait(ds_ready.at[parity])
                 cols = pl.ds(wg * dq_width, dq_width)
                 pairs = [(ds_smem.at[parity, w], k_smem.at[w, :, cols]) for w in range(W)]
             else:
-                ds_smem.at[wg][...] = ds16
-                plgpu.commit_smem()
-                cols, pairs = slice(None), [(ds_smem.at[wg], k_smem.at[wg])]
+                pairs = [(ds_smem.at[wg], k_smem.at[wg])]
+            for ds_t, k_part in pairs:
+                plgpu.wgmma(acc, ds_t.transpose((1, 0)), k_part)
 
-            def mma(acc):
-                for ds_t, k_part in pairs:
-                    plgpu.wgmma(acc, ds_t.transpose((1, 0)), k_part)
-                return acc[...]
-
-            part_dq = pl.run_scoped(mma, plgpu.ACC((bq, dq_width), jnp.float32))
+        def _dq_store(part_dq, q_tile, head):
+            """The step's float32 partial dQ out of SMEM by a TMA reduce-add."""
+            cols = pl.ds(wg * dq_width, dq_width) if bs.dq_columns else slice(None)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's partial has left
             dq_smem.at[wg][...] = part_dq
             plgpu.commit_smem()
@@ -503,18 +573,22 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 plgpu.barrier_wait(bias_ready.at[slot])
                 bias = bias_smem.at[slot, wg][...].astype(jnp.float32)
             k_tile = k_smem.at[slot]
-            s, dp = _two_products(q_smem.at[wg], k_tile.transpose((1, 0)),
-                                  do_smem.at[wg], v_smem.at[slot].transpose((1, 0)),
-                                  (rows, bkv), (rows, bkv))
+
+            def probabilities(s):  # computed while dP's GEMM runs
+                s2, dcap = _logits2(s, spec, bias)
+                if masked and tok_refs:
+                    s2 = tokens.mask(s2, q_tokens, kv_tokens, spec, q_dim=0)
+                elif masked:
+                    key = _iota((rows, bkv), 1) + step * bkv
+                    q_pos = _iota((rows, bkv), 0) + (row0 + spec.diagonal_offset)
+                    s2 = band_mask(s2, q_pos, key, spec, kv_tail)
+                return jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0])), dcap
+
+            (p, dcap), dp = _products_overlapped(q_smem.at[wg], k_tile.transpose((1, 0)),
+                                                 do_smem.at[wg], v_smem.at[slot].transpose((1, 0)),
+                                                 (rows, bkv), (rows, bkv), probabilities,
+                                                 bs.overlap)
             plgpu.barrier_arrive(v_consumed.at[slot])
-            s2, dcap = _logits2(s, spec, bias)
-            if masked and tok_refs:
-                s2 = tokens.mask(s2, q_tokens, kv_tokens, spec, q_dim=0)
-            elif masked:
-                key = _iota((rows, bkv), 1) + step * bkv
-                q_pos = _iota((rows, bkv), 0) + (row0 + spec.diagonal_offset)
-                s2 = band_mask(s2, q_pos, key, spec, kv_tail)
-            p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if dropout:
                 keep = dropout_keep(row_hash, step * bkv, p.shape, 1,
                                     dropout_threshold(spec.dropout_rate))

@@ -59,6 +59,14 @@ class BackwardBlockSizes:
       2 x the swizzle width (128 for 16-bit inputs). On the H200 it made the fused kernel
       1.07-1.42x faster at d128 but left it 5-31% slower than the two-kernel backward
       (benchmarks/results/2026-12-02-nvidia-h200-tune), so no table entry uses it.
+    overlap: on a GPU, each dK/dV step runs its GEMMs under its own arithmetic (FA3's
+      intra-warpgroup order): Pᵀ is computed once Sᵀ is in while dPᵀ's GEMM runs
+      (`wait_n=1`), dV += Pᵀ dO is issued before dSᵀ is computed, and dK's and (fused) dQ's
+      GEMMs are awaited together at the end of the step, one wait where the default has two
+      or three; the dQ kernel computes P while dP's GEMM runs. Same arithmetic, same results
+      bit for bit; the interpreter runs its usual order. Not with split_dkv (its passes keep
+      the default order). Opt-in (default False) until the H200 has run the GPU suite and timed
+      it: it was written on 2026-12-05, a session without a GPU.
     """
 
     block_q: int = 64
@@ -73,6 +81,7 @@ class BackwardBlockSizes:
     fused_dq: bool = False
     stagger_q: bool = False
     dq_columns: bool = False
+    overlap: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -88,7 +97,7 @@ class BackwardBlockSizes:
         for name in ("block_q", "block_kv_dq"):
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
-        for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns"):
+        for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:
@@ -99,6 +108,9 @@ class BackwardBlockSizes:
                              f"num_compute_wgs=2 (it splits the fused dQ GEMM between two "
                              f"warpgroups), got fused_dq={self.fused_dq}, "
                              f"num_compute_wgs={self.num_compute_wgs}")
+        if self.overlap and self.split_dkv:
+            raise ValueError("BackwardBlockSizes.overlap=True needs split_dkv=False (the split "
+                             "passes keep the default order)")
         if self.fused_dq and self.split_dkv:
             raise ValueError("BackwardBlockSizes.fused_dq=True needs split_dkv=False (the fused "
                              "step needs dSᵀ, which only the dK pass has)")

@@ -7,7 +7,7 @@ Shape legend as `shapes.Shape` (B, T, S, N, K, Dqk, Dv).
 Per shape: `chunked`'s out and lse (what the backward kernels take from a forward), a random
 output cotangent, and `chunked`'s gradients as the check. Each candidate `BackwardBlockSizes` of `candidates(spec)`
 (the config the call gets today first, then a small grid: the two-kernel form over its query /
-key steps and stages, the fused form over its query step and stages, each fused one also
+key steps and stages, each config followed by its twin with the other `overlap`, the fused form over its query step and stages, each fused one also
 staggered and with dQ split by columns, the fused ones without columns only where columns do
 not fit) is compiled, run once and checked (the largest relative L2 error of dq, dk, dv <=
 the forward's tolerance; a wrong or failing candidate is reported and never chosen), then all are timed
@@ -44,7 +44,7 @@ def config_fields(bs: bwd.BackwardBlockSizes) -> dict:
 
 def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
     """Valid backward configs for this call, the one it gets today first."""
-    found = [bwd.default_for(spec)]
+    found = _with_overlap(bwd.default_for(spec), spec)
     grid = itertools.product((False, True), GRID["block_q"], GRID["block_q_dq"], GRID["block_kv_dq"],
                              GRID["num_stages"])
     for fused, bq, bqdq, bkvdq, stages in grid:
@@ -58,8 +58,19 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
             except ValueError:
                 continue
             if bs not in found and not _columns_fit(bs, spec):
-                found.append(bs)
+                found += [c for c in _with_overlap(bs, spec) if c not in found]
     return found[:limit]
+
+
+def _with_overlap(bs: bwd.BackwardBlockSizes, spec) -> list[bwd.BackwardBlockSizes]:
+    """bs, then its twin with the other `overlap` where that fits the call (GEMMs under the
+    step's arithmetic; opt-in until timed on a GPU)."""
+    twin = dataclasses.replace(bs, overlap=not bs.overlap)
+    try:
+        twin.validate_for(spec)
+    except ValueError:
+        return [bs]
+    return [bs, twin]
 
 
 def _columns_fit(bs: bwd.BackwardBlockSizes, spec) -> bool:
