@@ -606,9 +606,9 @@ def heuristic(spec: AttentionSpec) -> "BlockSizes | WindowBlockSizes":
 
 def _persistent_if_unmasked(spec: AttentionSpec, bs: BlockSizes) -> BlockSizes:
     """A call without a band mask (every query tile visits every key tile) runs persistent,
-    with O in its own buffer where it fits (tokamax's `persistent=not causal`; measured by
-    flashmesh tune on full_4k_h16_d128, benchmarks/results/2026-12-04-nvidia-h200-tune:
-    0.881 ms back to back against 0.980 for the same tiles on the launch grid)."""
+    with O in its own buffer where it fits (tokamax's `persistent=not causal`; chosen from
+    flashmesh tune on full_4k_h16_d128 on 2026-12-04, whose report was lost before it reached
+    benchmarks/results: its table entry's source holds the figures, a re-run is pending)."""
     if spec.window != (-1, -1) or bs.num_splits > 1:
         return bs
     own_o = dataclasses.replace(bs, persistent=True, reuse_q_for_o=False)
@@ -618,8 +618,9 @@ def _persistent_if_unmasked(spec: AttentionSpec, bs: BlockSizes) -> BlockSizes:
 def default_for(spec: AttentionSpec, device_kind: str) -> "BlockSizes | WindowBlockSizes":
     """The forward kernel's configuration for a call on a device (jax's `device_kind`): the
     matching entry of pallas_mosaic_gpu_configs.json (`matching_entry`), else `heuristic`;
-    validated against the call. A WindowBlockSizes runs the window kernel. The table's first entries are the research's untuned starting
-    points for the anchor shapes (research/kernels.md §2.1, §2.5, §5)."""
+    validated against the call. A WindowBlockSizes runs the window kernel. Entries marked
+    tuned came from `flashmesh tune` on the H200 (each entry's source names the run); the
+    others are the research's starting points (research/kernels.md §2.1, §2.5, §5)."""
     entry = matching_entry(spec, device_kind)
     bs = heuristic(spec) if entry is None else forward_config(entry["config"])
     if entry is not None and isinstance(bs, BlockSizes) and "num_splits" not in entry["config"]:
