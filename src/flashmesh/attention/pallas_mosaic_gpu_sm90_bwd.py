@@ -72,8 +72,9 @@ Large head dims (d256, MLA 192/128), whose dK and dV accumulators do not fit the
 together, run the dK/dV kernel twice (`BackwardBlockSizes.split_dkv`): a dV pass (Sᵀ, Pᵀ,
 dV += Pᵀ dO) and a dK pass (Sᵀ, dPᵀ, dSᵀ, dK += dSᵀ Q).
 
-Tiles, their register and shared-memory counts and the default live in
-pallas_mosaic_gpu_sm90_bwd_tiles; argument checks in pallas_mosaic_gpu_inputs; the K/V ring,
+The dK/dV kernel lives in pallas_mosaic_gpu_sm90_bwd_dkv, the pieces both kernels share in
+pallas_mosaic_gpu_sm90_bwd_parts; tiles, their register and shared-memory counts and the default
+in pallas_mosaic_gpu_sm90_bwd_tiles; argument checks in pallas_mosaic_gpu_inputs; the K/V ring,
 band mask and dropout round shared with the forward in pallas_mosaic_gpu_sm90_parts.
 
 `BackwardBlockSizes.overlap` (opt-in, untimed: written without a GPU) reorders a dK/dV step on
@@ -107,389 +108,17 @@ from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import band_kv_range, check_spec, smem_tile
+from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_dkv import kernel_dkv
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, dropout_threshold, pad_to)
-from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import (BackwardBlockSizes, band_q_range,
-                                                                    default_for)
+from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
+                                                                    mma_from_smem, products_overlapped,
+                                                                    wgmma_iota, zero_acc)
+from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import (  # band_q_range: for callers
+    BackwardBlockSizes, band_q_range, default_for)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LOG2E, band_mask, bias_copy,
                                                                 dropout_keep, stream_kv, table_copies)
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
-
-ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
-COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
-
-
-# -- pieces shared by both kernels ----------------------------------------------------------------
-
-
-def _logits2(s, spec: AttentionSpec, bias=None):
-    """Raw q.k (and the tile's bias, float32, or None) -> (logits in log2 units, d logit /
-    d (scale q.k + bias) or None): the forward's arithmetic exactly (cap tanh(x / cap) of
-    x = scale s + bias, tanh x = 1 - 2 / (exp(2x) + 1)), so P recomputed here matches the lse
-    it wrote."""
-    cap = spec.logits_soft_cap
-    if cap is None:
-        if bias is None:
-            return s * (spec.scale * LOG2E), None
-        return s * (spec.scale * LOG2E) + bias * LOG2E, None
-    if bias is None:
-        e = jnp.exp2(s * (2.0 * LOG2E * spec.scale / cap))
-    else:
-        e = jnp.exp2((s * spec.scale + bias) * (2.0 * LOG2E / cap))
-    t = 1.0 - 2.0 / (e + 1.0)
-    return t * (cap * LOG2E), 1.0 - t * t
-
-
-def _iota(shape, dim):
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
-def _products_overlapped(a1, b1, a2, b2, shape1, shape2, on_first, overlap: bool):
-    """(on_first(a1 b1), a2 b2) of SMEM operands, both issued before either is awaited; with
-    `overlap`, on_first runs once the first is in (`wait_n=1`: WGMMA groups complete in order)
-    while the second is in flight, else once both are."""
-    def mma(acc1, acc2):
-        plgpu.wgmma(acc1, a1, b1)
-        plgpu.wgmma(acc2, a2, b2)
-        first = plgpu.wgmma_accumulator_load(acc1, wait_n=1 if overlap else 0)
-        return on_first(first), acc2[...]
-
-    return pl.run_scoped(mma, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
-
-
-def _mma_from_registers(accs, lhs, rhs, staging):
-    """acc_i += lhs_i rhs_i with the lhs in registers as WGMMA's A, in place (FA3's RS GEMMs)."""
-    del staging
-
-    def mma(acc_refs):
-        for acc_ref, a, b in zip(acc_refs, lhs, rhs):
-            plgpu.wgmma(acc_ref, a, b)
-
-    return pl.run_state(mma)(tuple(plgpu.ACC.init(acc) for acc in accs))
-
-
-def _mma_from_smem(accs, lhs, rhs, staging):
-    """The interpreter's form: the lhs stored to SMEM, fresh accumulators added afterwards."""
-    for buf, a in zip(staging, lhs):
-        buf[...] = a
-    plgpu.commit_smem()  # make the generic-proxy stores visible to WGMMA's async proxy
-
-    def mma(*acc_refs):
-        for acc_ref, buf, b in zip(acc_refs, staging, rhs):
-            plgpu.wgmma(acc_ref, buf, b)
-        return tuple(acc_ref[...] for acc_ref in acc_refs)
-
-    products = pl.run_scoped(mma, *(plgpu.ACC(acc.shape, jnp.float32) for acc in accs))
-    return tuple(acc + prod for acc, prod in zip(accs, products))
-
-
-def _zeros(shape):
-    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-
-def _ring_drain(consumed, slot_of, total, stages):
-    """Wait for the release of the last (up to `stages`) slots, so every phase of the
-    consumed barriers is observed exactly once (the interpreter checks it)."""
-    @pl.loop(jnp.maximum(total - stages, 0), total)
-    def _(step):
-        for barrier in consumed:
-            plgpu.barrier_wait(barrier.at[slot_of(step)])
-
-
-# -- the dK/dV kernel ---------------------------------------------------------------------------
-
-def _kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, dq_ref, tok_refs,
-                dk_ref, dv_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
-                interpret: bool, part: str = "both"):
-    # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk],
-    # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
-    # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
-    # k_smem [W, rows, Dqk], v_smem [W, rows, Dv] (this CTA's keys; then dK, dV's epilogue),
-    # q_smem [stages, bq, Dqk], do_smem [stages, bq, Dv], lse_smem, delta_smem [stages, bq] f32,
-    # pt_smem, dst_smem [W, rows, bq] (interpret only, else None),
-    # hash_smem [stages, bq] uint32 or None; bias_ref: the bias transposed, [B|1, N|1, Sp, Tp],
-    # or None, bias_smem [stages, W, rows, bq]; tok_refs None or (ranges [B, Sp / block_kv, 4],
-    # q tables [B, Tp], kv tables [B, Sp]) (segments: ids, positions under a window);
-    # kvtok_smem [W, rows] int32 per kv table, qtok_smem [stages, bq] int32 per q table;
-    # fused dQ (bs.fused_dq, else None): dq_ref the float32 accumulator [B, Tp, N, Dqk] (a GPU:
-    # TMA reduce-add) or [nkv * W, B, Tp, N, Dqk] (interpret: one slice per key tile and
-    # warpgroup, summed by the caller), ds_smem [W, rows, bq] (dSᵀ, the dQ GEMM's A
-    # transposed), dq_smem [W, bq, Dqk] float32 (the warpgroup's partial dQ on its way out);
-    # bs.dq_columns: ds_smem [2, W, rows, bq] (by step parity), dq_smem [W, bq, Dqk / W], and
-    # the barriers ds_ready [2] (both warpgroups' dSᵀ are in SMEM), dq_done (both have left
-    # the loop: K's SMEM, which the other warpgroup's dQ GEMMs read, may take dK); else None
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem,
-     bias_smem, ds_smem, dq_smem) = smem[:12]
-    (k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready,
-     bias_ready, ds_ready, dq_done) = barriers[:11]
-    n_tok = len(smem[12:]) // 2
-    kvtok_smem, qtok_smem = smem[12:12 + n_tok], smem[12 + n_tok:]
-    kvtok_ready, qtok_ready = barriers[11:11 + n_tok], barriers[11 + n_tok:]
-    dropout = hash_ref is not None
-    stats_ready = ((q_ready, do_ready, lse_ready, delta_ready) + ((hash_ready,) if dropout else ())
-                   + ((bias_ready,) if bias_ref is not None else ()) + tuple(qtok_ready))
-    W, stages, bq, G = bs.num_compute_wgs, bs.num_stages, bs.block_q, spec.group_size
-    rows = bs.block_kv // W
-    dtype = jnp.dtype(spec.dtype)
-    kv_tile, kv_head, batch = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    if tok_refs is None:
-        r = band_q_range(kv_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                         diagonal_offset=spec.diagonal_offset, block_q=bq, block_kv=bs.block_kv)
-    else:  # segments: the block map's ranges of this batch row
-        r = tokens.load_ranges(tok_refs[0], batch, kv_tile)
-    count = r.hi - r.lo  # query tiles per query head; G * count steps in all
-    # stagger_q: where every query tile of the range is full, each key tile starts at its own
-    # query tile (evenly spread over the range) and wraps around, so that the key tiles of a
-    # head do not add into the same dQ rows at the same time; elsewhere the order is unchanged.
-    rot = None  # unstaggered: the loop's order, and no index arithmetic in the kernel
-    if bs.stagger_q and dq_ref is not None:
-        all_full = (r.full_lo == r.lo) & (r.full_hi == r.hi) & (count > 0)
-        n_kv = -(-spec.kv_len // bs.block_kv)
-        rot = jnp.where(all_full, lax.div(kv_tile * count, jnp.int32(n_kv)), 0)
-
-    def visit(q_tile):  # the query tile of loop index q_tile (in [lo, hi))
-        return q_tile if rot is None else r.lo + lax.rem(q_tile - r.lo + rot, jnp.maximum(count, 1))
-
-    def slot_of(step):
-        return lax.rem(step, jnp.int32(stages))
-
-    @pl.when(wg < W)
-    def _compute():
-        plgpu.set_max_registers(bs.compute_registers, action="increase")
-        key0 = kv_tile * bs.block_kv + wg * rows
-        kv_rows = (batch, pl.ds(key0, rows), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[wg], k_ready.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[wg], v_ready.at[wg])
-        for ref, buf, ready in zip(tok_refs[2] if tok_refs else (), kvtok_smem, kvtok_ready):
-            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(key0, rows)], buf.at[wg], ready.at[wg])
-        plgpu.barrier_wait(k_ready.at[wg])
-        plgpu.barrier_wait(v_ready.at[wg])
-        kv_tokens = None
-        if tok_refs:  # the ids (and positions) of this warpgroup's keys, along the rows
-            for ready in kvtok_ready:
-                plgpu.barrier_wait(ready.at[wg])
-            kv_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in kvtok_smem] + [None]
-        accumulate = _mma_from_smem if interpret else _mma_from_registers
-        dq_width = bs.dq_width(spec)  # the partial dQ's columns
-        staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
-        kv_tail = spec.kv_len % bs.block_kv != 0
-
-        def q_step(q_tile, carry, *, g, masked: bool):
-            # part "both": dK and dV; "dv": Sᵀ and dV only; "dk": Sᵀ, dPᵀ and dK only
-            masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
-            step = g * count + q_tile - r.lo  # this warpgroup's step count so far
-            slot = slot_of(step)
-            q_tile = visit(q_tile)
-            for barrier in stats_ready:
-                plgpu.barrier_wait(barrier.at[slot])
-            q_tile_s, do_tile = q_smem.at[slot], do_smem.at[slot]
-
-            def probabilities(st):  # Sᵀ -> (Pᵀ, the Pᵀ of dV, dropout's keep or None, cap slope)
-                bias = None if bias_ref is None else bias_smem.at[slot, wg][...].astype(jnp.float32)
-                st2, dcap = _logits2(st, spec, bias)
-                if masked and tok_refs:  # rows are keys, columns queries
-                    q_tokens = [plgpu.load(buf.at[slot], layout=COL) for buf in qtok_smem] + [None]
-                    st2 = tokens.mask(st2, q_tokens, kv_tokens, spec, q_dim=1)
-                elif masked:  # rows are keys, columns queries
-                    key = _iota((rows, bq), 0) + key0
-                    q_pos = _iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
-                    st2 = band_mask(st2, q_pos, key, spec, kv_tail)
-                lse = plgpu.load(lse_smem.at[slot], layout=COL)
-                pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
-                if not dropout:  # the P of dV: the kept elements (1 / (1 - r) at the end)
-                    return pt, pt, None, dcap
-                # keys are rows here: the queries' hashes run along the columns
-                keep = dropout_keep(plgpu.load(hash_smem.at[slot], layout=COL), key0, pt.shape,
-                                    0, dropout_threshold(spec.dropout_rate))
-                return pt, jnp.where(keep, pt, 0.0), keep, dcap
-
-            def score_grads(pt, dpt, keep, dcap):  # dSᵀ in the inputs' dtype
-                if keep is not None:
-                    dpt = jnp.where(keep, dpt, 0.0)
-                delta = plgpu.load(delta_smem.at[slot], layout=COL)
-                dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
-                if dcap is not None:
-                    dst = dst * dcap
-                    if masked:  # a masked pair's cap slope may be NaN (its bias: padding)
-                        dst = jnp.where(pt == 0.0, 0.0, dst)
-                return dst.astype(dtype)
-
-            if bs.overlap and not interpret and part == "both":
-                carry, part_dq = pipelined(carry, q_tile_s, do_tile, probabilities, score_grads,
-                                           step)
-                plgpu.barrier_arrive(consumed.at[slot])
-                if dq_ref is not None:
-                    _dq_store(part_dq, q_tile, kv_head * G + g)
-                return carry
-            if part == "dv":
-                def qk(acc):
-                    plgpu.wgmma(acc, k_smem.at[wg], q_tile_s.transpose((1, 0)))
-                    return acc[...]
-
-                (pt, pt_v, keep, dcap), dpt = probabilities(
-                    pl.run_scoped(qk, plgpu.ACC((rows, bq), jnp.float32))), None
-            else:
-                (pt, pt_v, keep, dcap), dpt = _products_overlapped(
-                    k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
-                    do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
-                    bs.overlap)
-            lhs, rhs = [], []
-            if part != "dv":
-                lhs, rhs = [score_grads(pt, dpt, keep, dcap)], [q_tile_s]
-            if part != "dk":
-                lhs, rhs = lhs + [pt_v.astype(dtype)], rhs + [do_tile]
-            used = None if staging is None else staging[:len(lhs)]
-            carry = accumulate(carry, tuple(lhs), tuple(rhs), used)
-            plgpu.barrier_arrive(consumed.at[slot])
-            if dq_ref is not None:
-                def mma(acc):
-                    _dq_gemm(acc, lhs[0], step)
-                    return acc[...]
-
-                part_dq = pl.run_scoped(mma, plgpu.ACC((bq, dq_width), jnp.float32))
-                _dq_store(part_dq, q_tile, kv_head * G + g)
-            return carry
-
-        def pipelined(carry, q_tile_s, do_tile, probabilities, score_grads, step):
-            """One step on a GPU with its GEMMs overlapping its arithmetic (FA3's order): Sᵀ
-            and dPᵀ issued together, Pᵀ computed once Sᵀ is in (`wait_n=1`) while dPᵀ runs;
-            dV += Pᵀ dO issued before dSᵀ is computed, so it runs under that arithmetic; then
-            dK += dSᵀ Q and, fused, dQ's GEMM, all awaited once at the end. Returns the carry
-            (dK, dV) and the step's partial dQ (None unless fused)."""
-            fused = dq_ref is not None
-            accs = tuple(plgpu.ACC.init(x) for x in carry)
-            state = accs + ((_zeros((bq, dq_width)),) if fused else ())  # then a plain ref
-
-            def body(refs):
-                dk_ref, dv_ref = refs[:2]
-
-                (pt, pt_v, keep, dcap), dpt = _products_overlapped(
-                    k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
-                    do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
-                    bs.overlap)
-                plgpu.wgmma(dv_ref, pt_v.astype(dtype), do_tile)
-                dst = score_grads(pt, dpt, keep, dcap)
-                if fused:  # dSᵀ to SMEM before dK's GEMM is issued (dQ's reads it there)
-                    _ds_to_smem(dst, step)
-                plgpu.wgmma(dk_ref, dst, q_tile_s)
-                if fused:  # its accumulator allocated here, not held through the step
-                    def dq_mma(acc):
-                        _dq_gemm(acc, None, step)
-                        return acc[...]
-
-                    refs[2][...] = pl.run_scoped(dq_mma, plgpu.ACC((bq, dq_width), jnp.float32))
-
-            out = pl.run_state(body)(state)
-            return out[:2], (out[2] if fused else None)
-
-        def _ds_to_smem(ds16, step):
-            """dSᵀ into this warpgroup's SMEM buffer (by step parity with dq_columns, which
-            then tells the other warpgroup it is there)."""
-            if bs.dq_columns:
-                parity = lax.rem(step, 2)
-                ds_smem.at[parity, wg][...] = ds16
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_ready.at[parity])
-            else:
-                ds_smem.at[wg][...] = ds16
-                plgpu.commit_smem()
-
-        def _dq_gemm(acc, ds16, step):
-            """acc += dS K (FA3's fifth GEMM, dSᵀ from SMEM as the transposed A; ds16, when
-            given, is stored there first): over this warpgroup's keys and every column, or
-            (dq_columns) over both warpgroups' keys and this warpgroup's share of the columns,
-            once the other's dSᵀ is in."""
-            if ds16 is not None:
-                _ds_to_smem(ds16, step)
-            if bs.dq_columns:
-                parity = lax.rem(step, 2)
-                plgpu.barrier_wait(ds_ready.at[parity])
-                cols = pl.ds(wg * dq_width, dq_width)
-                pairs = [(ds_smem.at[parity, w], k_smem.at[w, :, cols]) for w in range(W)]
-            else:
-                pairs = [(ds_smem.at[wg], k_smem.at[wg])]
-            for ds_t, k_part in pairs:
-                plgpu.wgmma(acc, ds_t.transpose((1, 0)), k_part)
-
-        def _dq_store(part_dq, q_tile, head):
-            """The step's float32 partial dQ out of SMEM by a TMA reduce-add."""
-            cols = pl.ds(wg * dq_width, dq_width) if bs.dq_columns else slice(None)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's partial has left
-            dq_smem.at[wg][...] = part_dq
-            plgpu.commit_smem()
-            rows_q = pl.ds(q_tile * bq, bq)
-            if interpret:  # no TMA reduction in the interpreter: this (key tile, wg)'s slice
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg],
-                                        dq_ref.at[kv_tile * W + wg, batch, rows_q, head, cols])
-            else:
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[batch, rows_q, head, cols],
-                                        reduction_op="add")
-
-        def head(g, carry):  # the group's query heads share the band, so one range serves all
-            masked_step = functools.partial(q_step, g=g, masked=True)
-            full_step = functools.partial(q_step, g=g, masked=False)
-            carry = lax.fori_loop(r.lo, r.full_lo, masked_step, carry)
-            carry = lax.fori_loop(r.full_lo, r.full_hi, full_step, carry)
-            return lax.fori_loop(r.full_hi, r.hi, masked_step, carry)
-
-        zeros = ((() if part == "dv" else (_zeros((rows, spec.qk_dim)),))
-                 + (() if part == "dk" else (_zeros((rows, spec.v_dim)),)))
-        accs = list(lax.fori_loop(0, G, head, zeros))
-        if bs.dq_columns:  # the other warpgroup's dQ GEMMs read this one's K until it is done
-            plgpu.barrier_arrive(dq_done)
-            plgpu.barrier_wait(dq_done)
-        # K and V are no longer read (their last GEMMs were awaited): their SMEM takes dK, dV.
-        keep_scale = 1.0 / (1.0 - spec.dropout_rate)
-        if part != "dv":
-            dk = accs.pop(0)
-            k_smem.at[wg][...] = (dk * (spec.scale * keep_scale)).astype(dtype)
-        if part != "dk":
-            dv = accs.pop(0)
-            v_smem.at[wg][...] = (dv * keep_scale if dropout else dv).astype(dtype)
-        plgpu.commit_smem()
-        if part != "dv":
-            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[kv_rows])
-        if part != "dk":
-            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_rows])
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == W)
-    def _memory():
-        plgpu.set_max_registers(bs.memory_registers, action="decrease")
-        per_head = jnp.maximum(count, 1)
-
-        @pl.loop(0, G * count)
-        def _(step):
-            g, q_tile = lax.div(step, per_head), visit(r.lo + lax.rem(step, per_head))
-            head = kv_head * G + g
-            slot = slot_of(step)
-            q_rows = (batch, pl.ds(q_tile * bq, bq), head)
-            stats = (batch, head, pl.ds(q_tile * bq, bq))
-
-            @pl.when(step >= stages)
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[slot], q_ready.at[slot])
-            plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_ready.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_ready.at[slot])
-            if dropout:
-                plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[slot], hash_ready.at[slot])
-            for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
-                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(q_tile * bq, bq)], buf.at[slot],
-                                        ready.at[slot])
-            if bias_ref is not None:  # each warpgroup's keys x the query tile, transposed
-                b = batch if bias_ref.shape[0] > 1 else 0
-                n = head if bias_ref.shape[1] > 1 else 0
-                for w in range(W):
-                    plgpu.copy_gmem_to_smem(
-                        bias_ref.at[b, n, pl.ds(kv_tile * bs.block_kv + w * rows, rows),
-                                    pl.ds(q_tile * bq, bq)],
-                        bias_smem.at[slot, w], bias_ready.at[slot])
-
-        _ring_drain((consumed,), slot_of, G * count, stages)
 
 
 # -- the dQ kernel ------------------------------------------------------------------------------
@@ -554,7 +183,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         if dropout:
             plgpu.barrier_wait(hash_ready.at[wg])
             row_hash = plgpu.load(hash_smem.at[wg], layout=ROW)
-        accumulate = _mma_from_smem if interpret else _mma_from_registers
+        accumulate = mma_from_smem if interpret else mma_from_registers
         staging = None if ds_smem is None else (ds_smem.at[wg],)
         kv_tail = spec.kv_len % bkv != 0
 
@@ -575,16 +204,16 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             k_tile = k_smem.at[slot]
 
             def probabilities(s):  # computed while dP's GEMM runs
-                s2, dcap = _logits2(s, spec, bias)
+                s2, dcap = logits2(s, spec, bias)
                 if masked and tok_refs:
                     s2 = tokens.mask(s2, q_tokens, kv_tokens, spec, q_dim=0)
                 elif masked:
-                    key = _iota((rows, bkv), 1) + step * bkv
-                    q_pos = _iota((rows, bkv), 0) + (row0 + spec.diagonal_offset)
+                    key = wgmma_iota((rows, bkv), 1) + step * bkv
+                    q_pos = wgmma_iota((rows, bkv), 0) + (row0 + spec.diagonal_offset)
                     s2 = band_mask(s2, q_pos, key, spec, kv_tail)
                 return jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0])), dcap
 
-            (p, dcap), dp = _products_overlapped(q_smem.at[wg], k_tile.transpose((1, 0)),
+            (p, dcap), dp = products_overlapped(q_smem.at[wg], k_tile.transpose((1, 0)),
                                                  do_smem.at[wg], v_smem.at[slot].transpose((1, 0)),
                                                  (rows, bkv), (rows, bkv), probabilities,
                                                  bs.overlap)
@@ -609,7 +238,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.barrier_arrive(k_consumed.at[slot])
             return dq
 
-        dq = _zeros((rows, spec.qk_dim))
+        dq = zero_acc((rows, spec.qk_dim))
         dq = lax.fori_loop(r.lo, r.full_lo, functools.partial(kv_step, masked=True), dq)
         dq = lax.fori_loop(r.full_lo, r.full_hi, functools.partial(kv_step, masked=False), dq)
         dq = lax.fori_loop(r.full_hi, r.hi, functools.partial(kv_step, masked=True), dq)
@@ -730,7 +359,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
     inputs = (q, k, v, do, lse2, delta, row_hash, bias_t, dq_acc, tok)
     dk_type, dv_type = jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)
     if not bs.split_dkv:
-        kernel = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret)
+        kernel = functools.partial(kernel_dkv, spec=spec, bs=bs, interpret=interpret)
         dk, dv = _launch(kernel, inputs, (dk_type, dv_type), smem, barriers, grid,
                          ("kv", "heads", "batch"), bs, interpret)
         if dq_acc is None:
@@ -739,7 +368,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
         return dk, dv, dq.sum(axis=0) if interpret else dq
     outs = []
     for part, out_type in (("dk", dk_type), ("dv", dv_type)):  # one accumulator per pass
-        one = functools.partial(_kernel_dkv, spec=spec, bs=bs, interpret=interpret, part=part)
+        one = functools.partial(kernel_dkv, spec=spec, bs=bs, interpret=interpret, part=part)
 
         def kernel(*refs, one=one, part=part):  # (inputs..., dk | dv, smem, barriers)
             out = (refs[-3], None) if part == "dk" else (None, refs[-3])
