@@ -114,8 +114,7 @@ from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_drop
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_overlapped,
                                                                     wgmma_iota, zero_acc)
-from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import (  # band_q_range: for callers
-    BackwardBlockSizes, band_q_range, default_for)
+from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes, default_for
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LOG2E, band_mask, bias_copy,
                                                                 dropout_keep, stream_kv, table_copies)
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
