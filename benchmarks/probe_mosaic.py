@@ -11,7 +11,8 @@ backward kernels alone (`pallas_mosaic_gpu_sm90_bwd.backward_spec`) per Backward
 BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each checked against
 the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
 over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (each config with
-BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds."""
+BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-ranges`:
+BWD_WG_RANGES (BackwardBlockSizes.wg_ranges) the same way."""
 import dataclasses
 import itertools
 import sys
@@ -130,6 +131,10 @@ BWD_CONFIGS = [dict(), dict(num_stages=2, fused_dq=True), dict(num_stages=1, fus
 # and on (the GEMMs of a step under its arithmetic), alternated in 3 rounds
 BWD_OVERLAP = [dict(), dict(overlap=True), dict(num_stages=2, fused_dq=True, dq_columns=True),
                dict(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)]
+# `--bwd-wg-ranges`: default_for's config with each warpgroup's own tile ranges (and with
+# overlap, and 3 stages: the warpgroups may run a step apart), alternated like --bwd-overlap
+BWD_WG_RANGES = [dict(), dict(wg_ranges=True), dict(wg_ranges=True, overlap=True),
+                 dict(wg_ranges=True, num_stages=3)]
 
 
 def bwd_grid(spec):
@@ -174,9 +179,10 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
         q, k, v, mask="causal" if causal else "none", window=None if window[0] < 0 else window,
         implementation="cudnn").astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
     print(f"  bwd cudnn (fwd+bwd - fwd): {back_to_back(cudnn, q, k, v) - t_cudnn_fwd:.3f} ms", flush=True)
-    first, alternated = None, "--bwd-overlap" in sys.argv
-    configs = (bwd_grid(spec) if "--bwd-grid" in sys.argv else BWD_OVERLAP if alternated
-               else BWD_CONFIGS)
+    first, alternated = None, bool({"--bwd-overlap", "--bwd-wg-ranges"} & set(sys.argv))
+    configs = (bwd_grid(spec) if "--bwd-grid" in sys.argv
+               else BWD_WG_RANGES if "--bwd-wg-ranges" in sys.argv
+               else BWD_OVERLAP if alternated else BWD_CONFIGS)
     timed = {}
     for cfg in configs:
         try:
@@ -229,7 +235,7 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
-        if {"--bwd", "--bwd-grid", "--bwd-overlap"} & set(sys.argv):
+        if {"--bwd", "--bwd-grid", "--bwd-overlap", "--bwd-wg-ranges"} & set(sys.argv):
             backward_alone(name, q, k, v, window, t_ref)
             continue
         if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's

@@ -79,6 +79,15 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     Case("fused_dq_columns_d128_causal_gqa_tails", T=200, S=136, N=2, K=1, Dqk=128, Dv=64,
          window=(-1, 0), softmax="off_by_one", blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True),
          races=True),
+    # wg_ranges: each warpgroup computes only the streamed tiles its own 64 rows meet and
+    # passes over the others (both kernels; the dK/dV CTA's 128 keys meet 5 query tiles, each
+    # warpgroup 4; races on: the pass-over's barrier phases and releases)
+    Case("wg_ranges_window_gqa_tails", T=300, S=260, N=2, K=1, window=(40, 10),
+         blocks=BBS(num_stages=2, wg_ranges=True), races=True),
+    # fused dQ (each warpgroup's own partial), bottom-right causal: rows past the diagonal's
+    # reach see no key, so a warpgroup of the last dQ tiles meets nothing
+    Case("wg_ranges_fused_window_br_empty_rows", T=256, S=192, N=2, K=2, window=(60, 0),
+         bottom_right=True, softmax="off_by_one", blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True)),
 ]
 GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 and MLA 192/128
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -151,6 +160,18 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
     Case("gpu_overlap_fused_mla_128_64_f16_window", T=512, S=600, N=4, K=1, Dqk=128, Dv=64,
          window=(100, 20), dtype="float16",
          blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)),
+    # wg_ranges (each warpgroup its own tiles; written 2026-12-05 without a GPU): the window
+    # anchor's form (128:8 heads scaled down, window (128, 0)), with overlap and 3 stages,
+    # causal tails, fused, a cap with a learnable sink
+    Case("gpu_wg_ranges_d128_window_gqa", T=1024, S=1024, N=16, K=1, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True)),
+    Case("gpu_wg_ranges_overlap_d128_window_tails", T=1000, S=1000, N=8, K=2, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BBS(num_stages=3, overlap=True, wg_ranges=True)),
+    Case("gpu_wg_ranges_d128_causal_tails_br", T=700, S=900, N=4, K=4, Dqk=128, Dv=128,
+         window=(-1, 0), bottom_right=True, blocks=BBS(num_stages=2, wg_ranges=True)),
+    Case("gpu_wg_ranges_fused_d64_window_cap_learnable", T=1000, S=1100, N=4, K=4,
+         window=(200, 30), cap=2.0, softmax="learnable",
+         blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True)),
 ]
 
 
@@ -255,6 +276,8 @@ def test_backward_gpu(case):
          window=(64, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)),
     Case("overlap_fused_d64_one_wg", T=200, S=300, N=2, K=1, window=(-1, -1),
          blocks=dataclasses.replace(ONE_WG, fused_dq=True, overlap=True)),
+    Case("wg_ranges_overlap_d128_window", T=512, S=512, N=4, K=1, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BBS(num_stages=3, overlap=True, wg_ranges=True)),
 ], ids=lambda c: c.name)
 def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU
@@ -306,6 +329,51 @@ def test_band_q_range_matches_q_ranges(T, S, window, bottom_right, bq, bkv):
     # a key tile made only of padding (the wrapper's lcm padding) sees nothing
     past = band_q_range(np.int32(-(-S // bkv)), **kw)
     assert all(int(x) == 0 for x in past)
+
+
+@pytest.mark.parametrize("T,S,window,bottom_right,rows_q,rows_kv,W", [
+    (300, 260, (40, 10), False, 64, 64, 2), (256, 192, (60, 0), True, 64, 64, 2),
+    (4096, 4096, (128, 0), False, 64, 64, 2), (1000, 1100, (200, 30), True, 64, 64, 2),
+    (513, 257, (-1, 3), False, 128, 64, 2), (700, 900, (-1, 0), True, 64, 64, 2),
+])
+def test_wg_ranges_cover_every_visible_pair(T, S, window, bottom_right, rows_q, rows_kv, W):
+    """What wg_ranges lets a warpgroup pass over holds no pair its own rows see: per dK/dV CTA
+    (W * rows_kv keys, query steps of rows_q) and per dQ CTA (W * rows_q queries, key steps of
+    rows_kv), every streamed tile outside a warpgroup's clamped range is invisible to its rows,
+    and the FULL run is fully visible to them. The window anchor's form saves a step per head."""
+    from flashmesh.attention.pallas_mosaic_gpu_common import band_kv_range, clamp_within
+
+    kv = jnp.zeros((1, S, 1, 64), jnp.bfloat16)
+    spec = sm90.spec_for(jnp.zeros((1, T, 1, 64), jnp.bfloat16), kv, kv, scale=1.0,
+                         window=window, bottom_right=bottom_right)
+    vis = visible(Case("v", T=T, S=S, window=window, bottom_right=bottom_right))
+    kw = dict(q_len=T, kv_len=S, window=window, diagonal_offset=spec.diagonal_offset)
+    passed_over = 0
+    for band, step, own_rows, transpose in ((band_q_range, rows_q, rows_kv, True),
+                                            (band_kv_range, rows_kv, rows_q, False)):
+        grid = vis.T if transpose else vis  # [own axis, streamed axis]
+        for tile in range(-(-grid.shape[0] // (W * own_rows))):
+            cta = band(np.int32(tile), block_q=step if transpose else W * own_rows,
+                       block_kv=W * own_rows if transpose else step, **kw)
+            for w in range(W):
+                sub = band(np.int32(tile * W + w), block_q=step if transpose else own_rows,
+                           block_kv=own_rows if transpose else step, **kw)
+                own = clamp_within(cta, sub)
+                assert cta.lo <= own.lo <= own.full_lo <= own.full_hi <= own.hi <= cta.hi
+                rows = grid[(tile * W + w) * own_rows:(tile * W + w + 1) * own_rows]
+                for s in range(int(cta.lo), int(cta.hi)):
+                    seen = rows[:, s * step:(s + 1) * step]
+                    if not own.lo <= s < own.hi:
+                        assert not seen.any(), (tile, w, s)
+                        passed_over += 1
+                    elif own.full_lo <= s < own.full_hi:  # (a query tail may be FULL: its
+                        # padded rows carry dO = 0; a key tile past S never is)
+                        assert seen.all() and (transpose or seen.shape[1] == step), (tile, w, s)
+    if window == (128, 0):  # per head, each kernel: 2 of an inner CTA's 8 warpgroup-steps
+        # (4 streamed tiles, 3 per warpgroup), 1 of the edge CTA's 4: 63 of 252, a quarter
+        assert passed_over == 2 * (31 * 2 + 1), passed_over
+    else:
+        assert passed_over > 0
 
 
 def test_block_sizes_and_refusals():

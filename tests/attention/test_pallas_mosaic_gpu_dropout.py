@@ -151,6 +151,10 @@ GPU_CASES = [
     Case("gpu_overlap_fused_columns_d128_window_tails", T=1000, S=1000, N=4, K=2, D=128,
          options=(("mask", "causal"), ("window", (200, 0))),
          blocks=(TWO_WG, dataclasses.replace(TWO_WG_BWD, fused_dq=True, dq_columns=True, overlap=True))),
+    # each warpgroup's own tiles (BackwardBlockSizes.wg_ranges; written without a GPU, 2026-12-05)
+    Case("gpu_wg_ranges_d128_window_gqa_tails", T=1000, S=1000, N=8, K=2, D=128,
+         options=(("mask", "causal"), ("window", (128, 0))),
+         blocks=(TWO_WG, dataclasses.replace(TWO_WG_BWD, wg_ranges=True))),
 ]
 
 

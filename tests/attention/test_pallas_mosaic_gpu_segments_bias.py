@@ -98,6 +98,13 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
     Case("gpu_overlap_fused_padding_cross_dropout", mask="none", dropout_rate=0.2, seqlens=True,
          q_ids=(((1, 70), (0, 30)), ((1, 100),)), kv_ids=(((1, 110),), ((1, 40), (0, 70))),
          blocks=(FWD, dataclasses.replace(BWD, fused_dq=True, overlap=True))),
+    # wg_ranges (written 2026-12-05 without a GPU): a window with a bias (the dK/dV kernel
+    # passes over tiles, the dQ kernel, which writes dbias, keeps the CTA's range) and with
+    # packed documents (both warpgroups take the block map's range)
+    Case("gpu_wg_ranges_window_bias_cap", q_ids=None, window=(40, 0), bias=(2, 1), cap=5.0,
+         blocks=(FWD, dataclasses.replace(BWD, wg_ranges=True))),
+    Case("gpu_wg_ranges_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.1,
+         blocks=(FWD, dataclasses.replace(BWD, wg_ranges=True))),
 ]
 # In the interpreter: the fused backward with packed documents, a window and dropout.
 FUSED_CASE = Case("fused_dq_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.25,

@@ -85,6 +85,20 @@ class TileRanges(NamedTuple):
         return self.hi - self.lo
 
 
+def clamp_within(outer: TileRanges, inner: TileRanges) -> TileRanges:
+    """inner (the tiles a warpgroup's own rows meet) placed inside outer (its CTA's, whose
+    ring streams them all): lo, full_lo, full_hi, hi clipped into outer's [lo, hi) in order;
+    an inner range that meets nothing becomes [outer.hi, outer.hi) (every streamed tile
+    passed over). numpy or traced int32, elementwise."""
+    xp = _xp(*outer, *inner)
+    empty = inner.hi <= inner.lo
+    lo = xp.where(empty, outer.hi, xp.clip(inner.lo, outer.lo, outer.hi))
+    hi = xp.where(empty, outer.hi, xp.clip(inner.hi, lo, outer.hi))
+    full_lo = xp.clip(inner.full_lo, lo, hi)
+    full_hi = xp.clip(inner.full_hi, full_lo, hi)
+    return TileRanges(*(xp.asarray(x).astype(np.int32) for x in (lo, full_lo, full_hi, hi)))
+
+
 def ranges_from_block_map(classes) -> TileRanges:
     """Ranges along the last axis of a block map (masks.EMPTY/PARTIAL/FULL) [..., n, m]; numpy
     in, numpy out, jax in (usable under jit), jax out. The FULL run is the first run of

@@ -107,7 +107,8 @@ import numpy as np
 from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-from flashmesh.attention.pallas_mosaic_gpu_common import band_kv_range, check_spec, smem_tile
+from flashmesh.attention.pallas_mosaic_gpu_common import (band_kv_range, check_spec, clamp_within,
+                                                            smem_tile)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_dkv import kernel_dkv
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, dropout_threshold, pad_to)
@@ -237,10 +238,29 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.barrier_arrive(k_consumed.at[slot])
             return dq
 
+        def pass_over(step, dq):  # a streamed tile outside this warpgroup's own range
+            slot = slot_of(step)
+            for ready in (k_ready, v_ready, *kvtok_ready):
+                plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            return dq
+
+        # wg_ranges: the key tiles this warpgroup's rows meet, inside the CTA's streamed ones
+        # (not with a bias: dbias's unvisited tiles are zeroed at the CTA's granularity)
+        own = r
+        if bs.wg_ranges and tok_refs is None and dbias_ref is None:
+            own = clamp_within(r, band_kv_range(
+                q_tile * W + wg, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                diagonal_offset=spec.diagonal_offset, block_q=rows, block_kv=bkv))
         dq = zero_acc((rows, spec.qk_dim))
-        dq = lax.fori_loop(r.lo, r.full_lo, functools.partial(kv_step, masked=True), dq)
-        dq = lax.fori_loop(r.full_lo, r.full_hi, functools.partial(kv_step, masked=False), dq)
-        dq = lax.fori_loop(r.full_hi, r.hi, functools.partial(kv_step, masked=True), dq)
+        if own is not r:
+            dq = lax.fori_loop(r.lo, own.lo, pass_over, dq)
+        dq = lax.fori_loop(own.lo, own.full_lo, functools.partial(kv_step, masked=True), dq)
+        dq = lax.fori_loop(own.full_lo, own.full_hi, functools.partial(kv_step, masked=False), dq)
+        dq = lax.fori_loop(own.full_hi, own.hi, functools.partial(kv_step, masked=True), dq)
+        if own is not r:
+            dq = lax.fori_loop(own.hi, r.hi, pass_over, dq)
         dq_scale = spec.scale / (1.0 - spec.dropout_rate)  # dropout's 1 / (1 - r) here too
         q_smem.at[wg][...] = (dq * dq_scale).astype(dtype)  # Q is no longer read
         plgpu.commit_smem()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
+from flashmesh.attention.pallas_mosaic_gpu_common import clamp_within
 from flashmesh.attention.pallas_mosaic_gpu_inputs import dropout_threshold
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_overlapped,
@@ -249,12 +250,32 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[batch, rows_q, head, cols],
                                         reduction_op="add")
 
+        def pass_over(q_tile, carry, *, g):
+            # a streamed tile outside this warpgroup's own range (wg_ranges): observe its
+            # phase and release it, computing nothing
+            slot = slot_of(g * count + q_tile - r.lo)
+            for barrier in stats_ready:
+                plgpu.barrier_wait(barrier.at[slot])
+            plgpu.barrier_arrive(consumed.at[slot])
+            return carry
+
+        own = r  # the query tiles this warpgroup's keys meet, inside the CTA's streamed range
+        if bs.wg_ranges and tok_refs is None:
+            own = clamp_within(r, band_q_range(
+                kv_tile * W + wg, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                diagonal_offset=spec.diagonal_offset, block_q=bq, block_kv=rows))
+
         def head(g, carry):  # the group's query heads share the band, so one range serves all
             masked_step = functools.partial(q_step, g=g, masked=True)
             full_step = functools.partial(q_step, g=g, masked=False)
-            carry = lax.fori_loop(r.lo, r.full_lo, masked_step, carry)
-            carry = lax.fori_loop(r.full_lo, r.full_hi, full_step, carry)
-            return lax.fori_loop(r.full_hi, r.hi, masked_step, carry)
+            if own is not r:
+                carry = lax.fori_loop(r.lo, own.lo, functools.partial(pass_over, g=g), carry)
+            carry = lax.fori_loop(own.lo, own.full_lo, masked_step, carry)
+            carry = lax.fori_loop(own.full_lo, own.full_hi, full_step, carry)
+            carry = lax.fori_loop(own.full_hi, own.hi, masked_step, carry)
+            if own is not r:
+                carry = lax.fori_loop(own.hi, r.hi, functools.partial(pass_over, g=g), carry)
+            return carry
 
         zeros = ((() if part == "dv" else (zero_acc((rows, spec.qk_dim)),))
                  + (() if part == "dk" else (zero_acc((rows, spec.v_dim)),)))

@@ -67,6 +67,15 @@ class BackwardBlockSizes:
       bit for bit; the interpreter runs its usual order. Not with split_dkv (its passes keep
       the default order). Opt-in (default False) until the H200 has run the GPU suite and timed
       it: it was written on 2026-12-05, a session without a GPU.
+    wg_ranges: each compute warpgroup visits only the streamed tiles its own rows meet (the
+      dK/dV kernel's block_kv / W keys, the dQ kernel's block_q_dq / W queries: the band of
+      `band_q_range` / `band_kv_range` at the warpgroup's granularity); the ring still streams
+      the CTA's union, and a warpgroup passes over a tile outside its range by waiting for it
+      and releasing it. Under a window (128, 0) with 128-key tiles each warpgroup meets 3 of
+      the CTA's 4 query tiles; causal calls save at most one step per head. Band masks only
+      (with segments both warpgroups take the block map's range of the tile); not with
+      dq_columns (each step needs both warpgroups' dSᵀ) nor stagger_q. Same results bit for
+      bit. Opt-in (default False) until timed on a GPU (written 2026-12-05 without one).
     """
 
     block_q: int = 64
@@ -82,6 +91,7 @@ class BackwardBlockSizes:
     stagger_q: bool = False
     dq_columns: bool = False
     overlap: bool = False
+    wg_ranges: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -97,7 +107,7 @@ class BackwardBlockSizes:
         for name in ("block_q", "block_kv_dq"):
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
-        for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap"):
+        for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap", "wg_ranges"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:
@@ -108,6 +118,10 @@ class BackwardBlockSizes:
                              f"num_compute_wgs=2 (it splits the fused dQ GEMM between two "
                              f"warpgroups), got fused_dq={self.fused_dq}, "
                              f"num_compute_wgs={self.num_compute_wgs}")
+        if self.wg_ranges and (self.dq_columns or self.stagger_q):
+            raise ValueError("BackwardBlockSizes.wg_ranges=True needs dq_columns=False and "
+                             "stagger_q=False (both make every warpgroup take every step), got "
+                             f"dq_columns={self.dq_columns}, stagger_q={self.stagger_q}")
         if self.overlap and self.split_dkv:
             raise ValueError("BackwardBlockSizes.overlap=True needs split_dkv=False (the split "
                              "passes keep the default order)")
