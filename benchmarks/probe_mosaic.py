@@ -212,6 +212,16 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
     for label, ts in rounds.items():
         print(f"  bwd mosaic {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
               f"max rel err vs default {timed[label][1]:.1e}", flush=True)
+    if "--bwd-wg-ranges" in sys.argv:  # where each config's device time goes, kernel by kernel
+        from flashmesh.bench.kernel_time import kernels_ms
+
+        for label, (f, _) in timed.items():
+            try:
+                parts = kernels_ms(f, (q, k, v, out, lse, do))
+                print(f"  kernels {label}: " + ", ".join(f"{name[:60]} {ms:.3f}"
+                                                          for name, ms in parts.items()), flush=True)
+            except Exception as e:  # a probe: report and go on
+                print(f"  kernels {label}: FAILED {type(e).__name__}: {e}", flush=True)
 
 
 def back_to_back(f, *args, n=20):

@@ -10,7 +10,8 @@ from flashmesh.bench import kernel_time, timing
 
 
 def _plane(name, lines):
-    return NS(name=name, lines=[NS(name=n, events=[NS(duration_ns=d) for d in ds]) for n, ds in lines])
+    return NS(name=name, lines=[NS(name=n, events=[NS(duration_ns=d, name=f"k{d:g}") for d in ds])
+                                for n, ds in lines])
 
 
 def test_sums_the_stream_lines_of_gpu_planes_only():
@@ -19,6 +20,14 @@ def test_sums_the_stream_lines_of_gpu_planes_only():
                                        ("Stream #14(MemcpyD2D)", [0.5e6])]),
               _plane("/device:GPU:1", [("Stream #13", [4e6])])]
     assert kernel_time.stream_kernel_ns(planes) == pytest.approx(8e6)
+
+
+def test_per_kernel_totals_longest_first():
+    planes = [_plane("/device:GPU:0", [("XLA Ops", [5e6]), ("Stream #13", [1e6, 2.5e6, 1e6])]),
+              _plane("/host:CPU", [("Stream #1", [9e9])])]
+    totals = kernel_time.stream_kernels_ns(planes)
+    assert list(totals.items()) == [("k2.5e+06", 2.5e6), ("k1e+06", 2e6)]
+    assert kernel_time.stream_kernels_ns([_plane("/host:CPU", [("Stream #1", [1e6])])]) == {}
 
 
 def test_none_without_a_gpu_stream_line():

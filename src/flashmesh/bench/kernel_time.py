@@ -41,20 +41,45 @@ def stream_kernel_ns(planes: Iterable[Any]) -> float | None:
     return float(sum(durations)) if durations else None
 
 
+def stream_kernels_ns(planes: Iterable[Any]) -> dict[str, float]:
+    """Total duration (ns) per kernel name of the events on the stream lines of a profile's
+    GPU planes, longest first (empty when none)."""
+    totals: dict[str, float] = {}
+    for line in device_lines(planes):
+        if line.name.startswith(STREAM_LINE_PREFIX):
+            for event in line.events:
+                totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _traced_planes(compiled: Callable, args: tuple, calls: int):
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([compiled(*args) for _ in range(calls)])
+        files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+        return ProfileData.from_file(files[-1]).planes if files else []
+
+
+def kernels_ms(compiled: Callable, args: tuple, calls: int = 5) -> dict[str, float]:
+    """Milliseconds per call of each GPU kernel of `compiled(*args)` (by name, longest first),
+    over `calls` calls under one trace: where a call's device time goes (a diagnosis; the
+    profiler's figures run above untraced ones). Empty where the profiler gives none."""
+    if calls < 1:
+        raise ValueError(f"calls={calls} must be >= 1")
+    return {name: ns / 1e6 / calls
+            for name, ns in stream_kernels_ns(_traced_planes(compiled, args, calls)).items()}
+
+
 def kernel_ms(compiled: Callable, args: tuple, calls: int = 5) -> float | None:
     """Milliseconds of device kernel time per call of `compiled(*args)`, over `calls` calls
     issued back to back under one trace; None where the profiler gives no device time."""
     if calls < 1:
         raise ValueError(f"calls={calls} must be >= 1")
-    from jax.profiler import ProfileData
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        try:
-            with jax.profiler.trace(trace_dir):
-                jax.block_until_ready([compiled(*args) for _ in range(calls)])
-            files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
-            ns = stream_kernel_ns(ProfileData.from_file(files[-1]).planes) if files else None
-        except Exception as e:  # the profiler is an extra: a row is still timed without it
-            warnings.warn(f"kernel time not measured: the profiler failed ({type(e).__name__}: {e})")
-            return None
+    try:
+        ns = stream_kernel_ns(_traced_planes(compiled, args, calls))
+    except Exception as e:  # the profiler is an extra: a row is still timed without it
+        warnings.warn(f"kernel time not measured: the profiler failed ({type(e).__name__}: {e})")
+        return None
     return None if ns is None else ns / 1e6 / calls
