@@ -7,7 +7,8 @@ Shape legend as `shapes.Shape` (B, T, S, N, K, Dqk, Dv).
 Per shape: `chunked`'s out and lse (what the backward kernels take from a forward), a random
 output cotangent, and `chunked`'s gradients as the check. Each candidate `BackwardBlockSizes` of `candidates(spec)`
 (the config the call gets today first, then a small grid: the two-kernel form over its query /
-key steps and stages, each config followed by its twin with the other `overlap`, the fused form over its query step and stages, each fused one also
+key steps and stages, each config followed by its twin with the other `overlap` (and under a
+bounded window their twins with the other `wg_ranges`), the fused form over its query step and stages, each fused one also
 staggered and with dQ split by columns, the fused ones without columns only where columns do
 not fit) is compiled, run once and checked (the largest relative L2 error of dq, dk, dv <=
 the forward's tolerance; a wrong or failing candidate is reported and never chosen), then all are timed
@@ -64,13 +65,18 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
 
 def _with_overlap(bs: bwd.BackwardBlockSizes, spec) -> list[bwd.BackwardBlockSizes]:
     """bs, then its twin with the other `overlap` where that fits the call (GEMMs under the
-    step's arithmetic; opt-in until timed on a GPU)."""
-    twin = dataclasses.replace(bs, overlap=not bs.overlap)
-    try:
-        twin.validate_for(spec)
-    except ValueError:
-        return [bs]
-    return [bs, twin]
+    step's arithmetic; opt-in until timed on a GPU); under a bounded window also each of them
+    with the other `wg_ranges` (each warpgroup its own tiles: a quarter of the steps at window
+    128, at most one step per head under a plain causal mask, so not tried there)."""
+    found = [bs]
+    for field in ("overlap", "wg_ranges") if spec.window[0] >= 0 else ("overlap",):
+        for c in list(found):
+            try:
+                twin = dataclasses.replace(c, **{field: not getattr(c, field)}).validate_for(spec)
+            except ValueError:
+                continue
+            found.append(twin)
+    return found
 
 
 def _columns_fit(bs: bwd.BackwardBlockSizes, spec) -> bool:
