@@ -88,6 +88,11 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     # reach see no key, so a warpgroup of the last dQ tiles meets nothing
     Case("wg_ranges_fused_window_br_empty_rows", T=256, S=192, N=2, K=2, window=(60, 0),
          bottom_right=True, softmax="off_by_one", blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True)),
+    # persistent_dq: the interpreter's few CTAs each loop over several (batch, head, q tile)
+    # tiles, the ring running on across them; with wg_ranges, tails and rows that see no key
+    Case("persistent_dq_wg_ranges_window_tails_empty_rows", T=300, S=200, N=3, K=1, window=(40, 0),
+         bottom_right=True, cap=1.5, blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True),
+         races=True),
 ]
 GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 and MLA 192/128
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -172,6 +177,14 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
     Case("gpu_wg_ranges_fused_d64_window_cap_learnable", T=1000, S=1100, N=4, K=4,
          window=(200, 30), cap=2.0, softmax="learnable",
          blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True)),
+    # persistent_dq (written 2026-12-05 without a GPU): 132 CTAs over every tile
+    Case("gpu_persistent_dq_wg_ranges_d128_window_gqa", T=1024, S=1024, N=16, K=1, Dqk=128,
+         Dv=128, window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True)),
+    Case("gpu_persistent_dq_d128_causal_tails_learnable", T=1000, S=1000, N=8, K=2, Dqk=128,
+         Dv=128, window=(-1, 0), softmax="learnable",
+         blocks=BBS(num_stages=2, block_kv_dq=128, persistent_dq=True)),
+    Case("gpu_persistent_dq_d64_full_br_one_wg", T=200, S=300, N=4, K=1, bottom_right=True,
+         window=(-1, 0), blocks=dataclasses.replace(ONE_WG, persistent_dq=True)),
 ]
 
 
@@ -278,6 +291,8 @@ def test_backward_gpu(case):
          blocks=dataclasses.replace(ONE_WG, fused_dq=True, overlap=True)),
     Case("wg_ranges_overlap_d128_window", T=512, S=512, N=4, K=1, Dqk=128, Dv=128,
          window=(128, 0), blocks=BBS(num_stages=3, overlap=True, wg_ranges=True)),
+    Case("persistent_dq_wg_ranges_d128_window", T=512, S=512, N=4, K=1, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True)),
 ], ids=lambda c: c.name)
 def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU

@@ -122,7 +122,8 @@ from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logi
                                                                     wgmma_iota, zero_acc)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes, default_for
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LOG2E, band_mask, bias_copy,
-                                                                dropout_keep, stream_kv, table_copies)
+                                                                drain_ring, dropout_keep, stream_kv,
+                                                                table_copies)
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 
@@ -134,60 +135,70 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk],
     # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
-    # q_smem [W, rows, Dqk] (then dQ's epilogue), do_smem [W, rows, Dv], lse_smem,
+    # q_smem [W, rows, Dqk] (then dQ's epilogue, unless dq_smem), do_smem [W, rows, Dv], lse_smem,
     # delta_smem [W, rows] f32, k_smem [stages, bkv, Dqk], v_smem [stages, bkv, Dv],
     # ds_smem [W, rows, bkv] (interpret only, else None), hash_smem [W, rows] uint32 or None;
     # bias_ref [B|1, N|1, Tp, Sp] or None, then dbias_ref [B, N, Tp, Sp] (dS per tile, the
     # caller sums broadcast dims and zeroes tiles never visited); bias_smem [stages, W, rows,
-    # bkv], dbias_smem [W, rows, bkv];
+    # bkv], dbias_smem [W, rows, bkv]; dq_smem [W, rows, Dqk] (persistent_dq: dQ's own
+    # epilogue buffer, so the next tile's Q loads while it drains) or None;
     # tok_refs None or (ranges [B, Tp / block_q_dq, 4], q tables [B, Tp], kv tables [B, Sp]);
     # qtok_smem [W, rows] int32 per q table, kvtok_smem [stages, bkv] int32 per kv table
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, hash_smem, bias_smem,
-     dbias_smem) = smem[:10]
+     dbias_smem, dq_smem) = smem[:11]
     (q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready, k_consumed, v_consumed,
      hash_ready, bias_ready) = barriers[:10]
-    n_tok = len(smem[10:]) // 2
-    qtok_smem, kvtok_smem = smem[10:10 + n_tok], smem[10 + n_tok:]
+    n_tok = len(smem[11:]) // 2
+    qtok_smem, kvtok_smem = smem[11:11 + n_tok], smem[11 + n_tok:]
     qtok_ready, kvtok_ready = barriers[10:10 + n_tok], barriers[10 + n_tok:]
     dropout = hash_ref is not None
     W, stages, bkv = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq
     rows = bs.block_q_dq // W
     dtype = jnp.dtype(spec.dtype)
-    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
-    # Longest first (LPT, as the forward's lpt_order): under a causal mask the last query tiles
-    # see the most keys, so they start in the first wave and the short ones fill the last.
-    q_tile = q_ref.shape[1] // bs.block_q_dq - 1 - lax.axis_index("q")
+    num_q_tiles = q_ref.shape[1] // bs.block_q_dq
     wg = lax.axis_index("wg")
-    if tok_refs is None:
-        r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                          diagonal_offset=spec.diagonal_offset, block_q=bs.block_q_dq, block_kv=bkv)
-    else:  # segments: the block map's ranges of this batch row
-        r = tokens.load_ranges(tok_refs[0], batch, q_tile)
+    if bs.persistent_dq:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile)
+        cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+        total = num_q_tiles * spec.num_heads * spec.batch
+        num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
 
-    def slot_of(step):
-        return lax.rem(step - r.lo, jnp.int32(stages))
+        def coords(i):
+            flat = i * num_ctas + cta
+            rest = lax.div(flat, jnp.int32(num_q_tiles))
+            return (lax.rem(flat, jnp.int32(num_q_tiles)), lax.rem(rest, jnp.int32(spec.num_heads)),
+                    lax.div(rest, jnp.int32(spec.num_heads)))
+    else:  # one tile per CTA: grid (q tile, head, batch)
+        def coords(i):
+            del i
+            return lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
 
-    @pl.when(wg < W)
-    def _compute():
-        plgpu.set_max_registers(bs.compute_registers, action="increase")
-        row0 = q_tile * bs.block_q_dq + wg * rows
-        q_rows, stats = (batch, pl.ds(row0, rows), head), (batch, head, pl.ds(row0, rows))
-        plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[wg], q_ready.at[wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[wg], do_ready.at[wg])
-        plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_ready.at[wg])
-        plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
-        if dropout:
-            plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[wg], hash_ready.at[wg])
-        for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
-            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(row0, rows)], buf.at[wg], ready.at[wg])
-        for barrier in (q_ready, do_ready, lse_ready, delta_ready) + tuple(qtok_ready):
-            plgpu.barrier_wait(barrier.at[wg])
-        q_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in qtok_smem] + [None]
-        lse = plgpu.load(lse_smem.at[wg], layout=ROW)
-        delta = plgpu.load(delta_smem.at[wg], layout=ROW)
-        if dropout:
-            plgpu.barrier_wait(hash_ready.at[wg])
-            row_hash = plgpu.load(hash_smem.at[wg], layout=ROW)
+    def tile(i):
+        """(query tile, head, batch, key-tile ranges) of the CTA's i-th tile. Longest first (LPT,
+        as the forward's lpt_order): under a causal mask the last query tiles of a head see the
+        most keys, so they start first and the short ones fill the end."""
+        q_index, head, batch = coords(i)
+        q_tile = num_q_tiles - 1 - q_index
+        if tok_refs is None:
+            r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                              diagonal_offset=spec.diagonal_offset, block_q=bs.block_q_dq,
+                              block_kv=bkv)
+        else:  # segments: the block map's ranges of this batch row
+            r = tokens.load_ranges(tok_refs[0], batch, q_tile)
+        return q_tile, head, batch, r
+
+    def for_each_tile(run_tile):
+        """run_tile(i, issued) -> issued + the tile's key tiles, over the CTA's tiles; issued
+        counts the key tiles streamed before, so the ring's slots and barrier phases run on
+        across tiles. Returns the final count."""
+        if not bs.persistent_dq:
+            return run_tile(0, 0)
+        return lax.fori_loop(jnp.int32(0), num_local, run_tile, jnp.int32(0))
+
+    def slot_in(issued, lo):
+        return lambda step: lax.rem(issued + step - lo, jnp.int32(stages))
+
+    def _dq_steps(r, q_tile, head, batch, row0, slot_of, lse, delta, row_hash, q_tokens):
+        """One query tile's dQ rows of this warpgroup: its loop over the streamed key tiles."""
         accumulate = mma_from_smem if interpret else mma_from_registers
         staging = None if ds_smem is None else (ds_smem.at[wg],)
         kv_tail = spec.kv_len % bkv != 0
@@ -266,22 +277,80 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         dq = lax.fori_loop(own.full_hi, own.hi, functools.partial(kv_step, masked=True), dq)
         if own is not r:
             dq = lax.fori_loop(own.hi, r.hi, pass_over, dq)
-        dq_scale = spec.scale / (1.0 - spec.dropout_rate)  # dropout's 1 / (1 - r) here too
-        q_smem.at[wg][...] = (dq * dq_scale).astype(dtype)  # Q is no longer read
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[q_rows])
+        return dq
+
+    @pl.when(wg < W)
+    def _compute():
+        plgpu.set_max_registers(bs.compute_registers, action="increase")
+
+        def load_rows(i):  # the warpgroup's Q, dO, lse, delta (row hashes, q tables) of tile i
+            q_tile, head, batch, _ = tile(i)
+            row0 = q_tile * bs.block_q_dq + wg * rows
+            q_rows, stats = (batch, pl.ds(row0, rows), head), (batch, head, pl.ds(row0, rows))
+            plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[wg], q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[wg], do_ready.at[wg])
+            plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_ready.at[wg])
+            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
+            if dropout:
+                plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[wg], hash_ready.at[wg])
+            for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
+                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(row0, rows)], buf.at[wg], ready.at[wg])
+
+        if bs.persistent_dq:
+            load_rows(jnp.int32(0))
+
+        def run_tile(i, issued):
+            q_tile, head, batch, r = tile(i)
+            slot_of = slot_in(issued, r.lo)
+            row0 = q_tile * bs.block_q_dq + wg * rows
+            if not bs.persistent_dq:
+                load_rows(i)
+            for barrier in (q_ready, do_ready, lse_ready, delta_ready) + tuple(qtok_ready):
+                plgpu.barrier_wait(barrier.at[wg])
+            q_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in qtok_smem] + [None]
+            lse = plgpu.load(lse_smem.at[wg], layout=ROW)
+            delta = plgpu.load(delta_smem.at[wg], layout=ROW)
+            row_hash = None
+            if dropout:
+                plgpu.barrier_wait(hash_ready.at[wg])
+                row_hash = plgpu.load(hash_smem.at[wg], layout=ROW)
+            dq = _dq_steps(r, q_tile, head, batch, row0, slot_of, lse, delta, row_hash, q_tokens)
+            out = q_smem if dq_smem is None else dq_smem
+            if bs.persistent_dq:
+                # Q, dO, lse, delta of this tile are dead (their last GEMMs were awaited, the
+                # rest is in registers): the next tile's rows load while dQ leaves
+                @pl.when(i + 1 < num_local)
+                def _():
+                    plgpu.commit_smem()  # this tile's reads of lse, delta (...) before TMA rewrites
+                    load_rows(i + 1)
+
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dQ has left
+            dq_scale = spec.scale / (1.0 - spec.dropout_rate)  # dropout's 1 / (1 - r) here too
+            out.at[wg][...] = (dq * dq_scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out.at[wg], dq_ref.at[batch, pl.ds(row0, rows), head])
+            return issued + r.hi - r.lo
+
+        for_each_tile(run_tile)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == W)
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
-        extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
-        if bias_ref is not None:
-            extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head,
-                                q_tile * bs.block_q_dq, rows, W, bkv),)
-        stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
-                  batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=r.lo, hi=r.hi,
-                  bkv=bkv, stages=stages, slot_of=slot_of, extra=extra)
+
+        def run_tile(i, issued):
+            q_tile, head, batch, r = tile(i)
+            extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
+            if bias_ref is not None:
+                extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head,
+                                    q_tile * bs.block_q_dq, rows, W, bkv),)
+            stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
+                      batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=r.lo,
+                      hi=r.hi, bkv=bkv, stages=stages, slot_of=slot_in(issued, r.lo), extra=extra,
+                      issued=issued, drain=False)
+            return issued + r.hi - r.lo
+
+        drain_ring((k_consumed, v_consumed), for_each_tile(run_tile), stages)
 
 
 # -- the wrapper --------------------------------------------------------------------------------
@@ -418,7 +487,8 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):
             smem_tile((W, rows, bkv), dtype) if interpret else None,
             plgpu.SMEM((W, rows), jnp.uint32) if dropout else None,
             smem_tile((stages, W, rows, bkv), dtype) if bias is not None else None,
-            smem_tile((W, rows, bkv), dtype) if bias is not None else None]
+            smem_tile((W, rows, bkv), dtype) if bias is not None else None,
+            smem_tile((W, rows, spec.qk_dim), dtype) if bs.persistent_dq else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bkv), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W) for _ in range(4)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(2)]
@@ -436,8 +506,13 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):
             refs = refs[:-2] + (None,) + refs[-2:]
         return dq_kernel(*refs)
 
+    grid_names = ("q", "heads", "batch")
+    if bs.persistent_dq:  # one CTA per SM (at most one per tile), looping over its tiles
+        from flashmesh.attention.pallas_mosaic_gpu_sm90 import sm_count
+
+        grid, grid_names = (min(sm_count(interpret), int(np.prod(grid))),), ("sm",)
     outs = _launch(kernel, (q, k, v, do, lse2, delta, row_hash, bias, tok), out_type, smem,
-                   barriers, grid, ("q", "heads", "batch"), bs, interpret)
+                   barriers, grid, grid_names, bs, interpret)
     return outs if bias is not None else (outs[0], None)
 
 

@@ -76,6 +76,14 @@ class BackwardBlockSizes:
       (with segments both warpgroups take the block map's range of the tile); not with
       dq_columns (each step needs both warpgroups' dSᵀ) nor stagger_q. Same results bit for
       bit. Opt-in (default False) until timed on a GPU (written 2026-12-05 without one).
+    persistent_dq: the dQ kernel on a persistent grid, one CTA per SM looping over (batch,
+      head, query tile) tiles (longest first within a head): the K/V ring runs on across
+      tiles (the memory warpgroup streams the next tile's keys under this tile's last steps),
+      the next tile's Q, dO, lse and delta load while this tile's dQ leaves from a buffer of
+      its own (block_q_dq x Dqk more shared memory). For calls of many short tiles (narrow
+      windows, short sequences), where each CTA's prologue and epilogue are a large part of
+      its work. Not with fused_dq (no dQ kernel). Opt-in (default False) until timed on a GPU
+      (written 2026-12-05 without one).
     """
 
     block_q: int = 64
@@ -92,6 +100,7 @@ class BackwardBlockSizes:
     dq_columns: bool = False
     overlap: bool = False
     wg_ranges: bool = False
+    persistent_dq: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -107,7 +116,8 @@ class BackwardBlockSizes:
         for name in ("block_q", "block_kv_dq"):
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
-        for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap", "wg_ranges"):
+        for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap", "wg_ranges",
+                     "persistent_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:
@@ -122,6 +132,9 @@ class BackwardBlockSizes:
             raise ValueError("BackwardBlockSizes.wg_ranges=True needs dq_columns=False and "
                              "stagger_q=False (both make every warpgroup take every step), got "
                              f"dq_columns={self.dq_columns}, stagger_q={self.stagger_q}")
+        if self.persistent_dq and self.fused_dq:
+            raise ValueError("BackwardBlockSizes.persistent_dq=True needs fused_dq=False (the "
+                             "fused backward has no dQ kernel)")
         if self.overlap and self.split_dkv:
             raise ValueError("BackwardBlockSizes.overlap=True needs split_dkv=False (the split "
                              "passes keep the default order)")
@@ -152,6 +165,8 @@ class BackwardBlockSizes:
         row = size * d + (12 if spec.has_dropout else 8)  # Q, dO rows; lse, delta (hash)
         dkv = self.num_stages * self.block_q * row + size * self.block_kv * d
         dq = self.block_q_dq * row + self.num_stages * self.block_kv_dq * size * d
+        if self.persistent_dq:  # dQ's own epilogue buffer
+            dq += self.block_q_dq * spec.qk_dim * size
         W, stages = self.num_compute_wgs, self.num_stages
         dkv += tokens.smem_bytes(spec, self.block_kv, self.block_q, stages, W)  # segments
         dq += tokens.smem_bytes(spec, self.block_q_dq, self.block_kv_dq, stages, W)
