@@ -12,7 +12,7 @@ BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each ch
 the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
 over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (each config with
 BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-ranges`:
-BWD_WG_RANGES (BackwardBlockSizes.wg_ranges) the same way."""
+BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way."""
 import dataclasses
 import itertools
 import sys
@@ -132,9 +132,9 @@ BWD_CONFIGS = [dict(), dict(num_stages=2, fused_dq=True), dict(num_stages=1, fus
 BWD_OVERLAP = [dict(), dict(overlap=True), dict(num_stages=2, fused_dq=True, dq_columns=True),
                dict(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)]
 # `--bwd-wg-ranges`: default_for's config with each warpgroup's own tile ranges (and with
-# overlap, and 3 stages: the warpgroups may run a step apart), alternated like --bwd-overlap
+# overlap), with the persistent dQ kernel, and both, alternated like --bwd-overlap
 BWD_WG_RANGES = [dict(), dict(wg_ranges=True), dict(wg_ranges=True, overlap=True),
-                 dict(wg_ranges=True, num_stages=3)]
+                 dict(persistent_dq=True), dict(wg_ranges=True, persistent_dq=True)]
 
 
 def bwd_grid(spec):
