@@ -32,10 +32,10 @@ fused backward, packed documents in self-attention, and any call cuDNN cannot ru
 the rest, and context-parallel steps and q of 2^30 elements or more wait for a GPU check
 (`automatic_reason`).
 Measured on the H200 with every peer in one run (`flashmesh bench --preset anchors`,
-benchmarks/results/2026-12-02-nvidia-h200-anchors-2, bf16, back to back, fwd / fwd+bwd over the
-best of cuDNN, FA3 and tokamax): sliding window seed000_gqa_swa 0.81x / 0.79x; MLA 128/64 0.93x /
-0.93x; full_4k_h16_d128 1.14x / 1.23x; causal_8k_h32_d128 1.02x / 1.23x; causal_8k_h32_d64 0.94x /
-0.92x; gqa_causal_16k 1.11x / 1.20x. The d128 backward is the slower half.
+benchmarks/results/2026-12-05-nvidia-h200-anchors, bf16, back to back, fwd / fwd+bwd over the
+best of cuDNN, FA3 and tokamax): sliding window seed000_gqa_swa 0.77x / 0.63x; MLA 128/64 1.00x /
+0.90x; full_4k_h16_d128 1.01x / 1.25x; causal_8k_h32_d128 1.05x / 1.21x; causal_8k_h32_d64 0.95x /
+0.94x; gqa_causal_16k 1.13x / 1.22x. The d128 backward is the slower half.
 """
 
 from __future__ import annotations

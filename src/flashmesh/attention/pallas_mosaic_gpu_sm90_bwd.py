@@ -77,12 +77,12 @@ pallas_mosaic_gpu_sm90_bwd_parts; tiles, their register and shared-memory counts
 in pallas_mosaic_gpu_sm90_bwd_tiles; argument checks in pallas_mosaic_gpu_inputs; the K/V ring,
 band mask and dropout round shared with the forward in pallas_mosaic_gpu_sm90_parts.
 
-`BackwardBlockSizes.wg_ranges` (opt-in, untimed: written without a GPU): each compute warpgroup
+`BackwardBlockSizes.wg_ranges` (the narrow-window table entry's, with `persistent_dq`): each compute warpgroup
 computes only the streamed tiles its own rows meet (`clamp_within` of its own band range inside
 the CTA's) and passes over the rest (waits for the tile, releases it); under a window (128, 0)
 that is a quarter of each kernel's warpgroup-steps.
 
-`BackwardBlockSizes.overlap` (opt-in, untimed: written without a GPU) reorders a dK/dV step on
+`BackwardBlockSizes.overlap` (opt-in; measured slower on the H200, 2026-12-05) reorders a dK/dV step on
 a GPU after FA3 (`pipelined`): Sᵀ and dPᵀ issued, Pᵀ computed once Sᵀ is in (`wait_n=1`) while
 dPᵀ runs, dV += Pᵀ dO issued before dSᵀ is computed, then dK's (and the fused dQ's) GEMMs, all
 awaited once per step; the dQ kernel computes P while dP runs. The arithmetic is unchanged.

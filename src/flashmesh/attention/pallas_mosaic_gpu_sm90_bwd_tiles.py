@@ -65,8 +65,9 @@ class BackwardBlockSizes:
       GEMMs are awaited together at the end of the step, one wait where the default has two
       or three; the dQ kernel computes P while dP's GEMM runs. Same arithmetic, same results
       bit for bit; the interpreter runs its usual order. Not with split_dkv (its passes keep
-      the default order). Opt-in (default False) until the H200 has run the GPU suite and timed
-      it: it was written on 2026-12-05, a session without a GPU.
+      the default order). Off by default: on the H200 (2026-12-05) it passed the GPU suite and
+      ran slower with two kernels (causal_8k_h32_d128 3.161 ms against 2.957), faster but
+      still behind them fused by columns (3.273 against 3.386).
     wg_ranges: each compute warpgroup visits only the streamed tiles its own rows meet (the
       dK/dV kernel's block_kv / W keys, the dQ kernel's block_q_dq / W queries: the band of
       `band_q_range` / `band_kv_range` at the warpgroup's granularity); the ring still streams
@@ -75,15 +76,19 @@ class BackwardBlockSizes:
       the CTA's 4 query tiles; causal calls save at most one step per head. Band masks only
       (with segments both warpgroups take the block map's range of the tile); not with
       dq_columns (each step needs both warpgroups' dSᵀ) nor stagger_q. Same results bit for
-      bit. Opt-in (default False) until timed on a GPU (written 2026-12-05 without one).
+      bit. Off by default: on the H200 (2026-12-05) it pays under narrow windows (with
+      persistent_dq the window anchor's backward 0.893 ms against 1.142), not under causal
+      masks (the guide layer's attention 0.972 against 0.956); the table gives it to the
+      window entry.
     persistent_dq: the dQ kernel on a persistent grid, one CTA per SM looping over (batch,
       head, query tile) tiles (longest first within a head): the K/V ring runs on across
       tiles (the memory warpgroup streams the next tile's keys under this tile's last steps),
       the next tile's Q, dO, lse and delta load while this tile's dQ leaves from a buffer of
       its own (block_q_dq x Dqk more shared memory). For calls of many short tiles (narrow
       windows, short sequences), where each CTA's prologue and epilogue are a large part of
-      its work. Not with fused_dq (no dQ kernel). Opt-in (default False) until timed on a GPU
-      (written 2026-12-05 without one).
+      its work. Not with fused_dq (no dQ kernel). Off by default: on the H200 (2026-12-05) it
+      pays on the window anchor (above) and costs under causal masks of long tiles (the guide
+      layer's attention 1.165 ms against 0.956).
     """
 
     block_q: int = 64

@@ -65,7 +65,7 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
 
 def _with_overlap(bs: bwd.BackwardBlockSizes, spec, extra=()) -> list[bwd.BackwardBlockSizes]:
     """bs, then its twin with the other `overlap` where that fits the call (GEMMs under the
-    step's arithmetic; opt-in until timed on a GPU); under a bounded window also each of them
+    step's arithmetic; measured slower on the H200 so far); under a bounded window also each of them
     with the other value of each `extra` field (today's config gets `wg_ranges`: a quarter of
     the steps at window 128, at most one step per head under a plain causal mask, so not tried
     there; and `persistent_dq`: many short dQ tiles)."""
