@@ -12,7 +12,8 @@ BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each ch
 the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
 over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (each config with
 BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-ranges`:
-BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way."""
+BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
+BWD_DELTA (delta_in_dq) the same way. Each alternated mode also lists each config's kernels."""
 import dataclasses
 import itertools
 import sys
@@ -135,6 +136,9 @@ BWD_OVERLAP = [dict(), dict(overlap=True), dict(num_stages=2, fused_dq=True, dq_
 # overlap), with the persistent dQ kernel, and both, alternated like --bwd-overlap
 BWD_WG_RANGES = [dict(), dict(wg_ranges=True), dict(wg_ranges=True, overlap=True),
                  dict(persistent_dq=True), dict(wg_ranges=True, persistent_dq=True)]
+# `--bwd-delta`: today's config with and without delta computed by the dQ kernel
+BWD_DELTA = [dict(), dict(delta_in_dq=True)]
+ALTERNATED = {"--bwd-overlap": BWD_OVERLAP, "--bwd-wg-ranges": BWD_WG_RANGES, "--bwd-delta": BWD_DELTA}
 
 
 def bwd_grid(spec):
@@ -179,10 +183,9 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
         q, k, v, mask="causal" if causal else "none", window=None if window[0] < 0 else window,
         implementation="cudnn").astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
     print(f"  bwd cudnn (fwd+bwd - fwd): {back_to_back(cudnn, q, k, v) - t_cudnn_fwd:.3f} ms", flush=True)
-    first, alternated = None, bool({"--bwd-overlap", "--bwd-wg-ranges"} & set(sys.argv))
-    configs = (bwd_grid(spec) if "--bwd-grid" in sys.argv
-               else BWD_WG_RANGES if "--bwd-wg-ranges" in sys.argv
-               else BWD_OVERLAP if alternated else BWD_CONFIGS)
+    modes = [ALTERNATED[a] for a in sys.argv if a in ALTERNATED]
+    first, alternated = None, bool(modes)
+    configs = bwd_grid(spec) if "--bwd-grid" in sys.argv else modes[0] if modes else BWD_CONFIGS
     timed = {}
     for cfg in configs:
         try:
@@ -212,7 +215,7 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
     for label, ts in rounds.items():
         print(f"  bwd mosaic {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
               f"max rel err vs default {timed[label][1]:.1e}", flush=True)
-    if "--bwd-wg-ranges" in sys.argv:  # where each config's device time goes, kernel by kernel
+    if alternated:  # where each config's device time goes, kernel by kernel
         from flashmesh.bench.kernel_time import kernels_ms
 
         for label, (f, _) in timed.items():
@@ -245,7 +248,7 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
-        if {"--bwd", "--bwd-grid", "--bwd-overlap", "--bwd-wg-ranges"} & set(sys.argv):
+        if {"--bwd", "--bwd-grid", *ALTERNATED} & set(sys.argv):
             backward_alone(name, q, k, v, window, t_ref)
             continue
         if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's

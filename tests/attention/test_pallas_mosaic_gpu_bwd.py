@@ -93,6 +93,12 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     Case("persistent_dq_wg_ranges_window_tails_empty_rows", T=300, S=200, N=3, K=1, window=(40, 0),
          bottom_right=True, cap=1.5, blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True),
          races=True),
+    # delta_in_dq: the dQ kernel computes delta from O and dO and writes it for the dK/dV
+    # kernel (run after it); persistent (delta_smem rewritten per tile), a learnable sink
+    # (dsink from the kernel's delta), tails
+    Case("delta_in_dq_persistent_causal_gqa_tails_learnable", T=200, S=264, N=2, K=1,
+         window=(-1, 0), bottom_right=True, softmax="learnable",
+         blocks=BBS(num_stages=2, persistent_dq=True, delta_in_dq=True), races=True),
 ]
 GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 and MLA 192/128
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -185,6 +191,15 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          blocks=BBS(num_stages=2, block_kv_dq=128, persistent_dq=True)),
     Case("gpu_persistent_dq_d64_full_br_one_wg", T=200, S=300, N=4, K=1, bottom_right=True,
          window=(-1, 0), blocks=dataclasses.replace(ONE_WG, persistent_dq=True)),
+    # delta_in_dq (written 2026-12-05 without a GPU): the window anchor's entry with it, and
+    # the two-kernel default's tiles under a causal mask with a learnable sink
+    Case("gpu_delta_in_dq_window_persistent_wg_ranges", T=1024, S=1024, N=16, K=1, Dqk=128,
+         Dv=128, window=(128, 0),
+         blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True, delta_in_dq=True)),
+    Case("gpu_delta_in_dq_d128_causal_tails_learnable", T=1000, S=1000, N=8, K=2, Dqk=128,
+         Dv=128, window=(-1, 0), softmax="learnable", blocks=BBS(num_stages=2, delta_in_dq=True)),
+    Case("gpu_delta_in_dq_mla_128_64_f16", T=512, S=512, N=4, K=1, Dqk=128, Dv=64,
+         window=(-1, 0), dtype="float16", blocks=BBS(num_stages=2, delta_in_dq=True)),
 ]
 
 
@@ -293,6 +308,11 @@ def test_backward_gpu(case):
          window=(128, 0), blocks=BBS(num_stages=3, overlap=True, wg_ranges=True)),
     Case("persistent_dq_wg_ranges_d128_window", T=512, S=512, N=4, K=1, Dqk=128, Dv=128,
          window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True)),
+    Case("delta_in_dq_persistent_d128_window", T=512, S=512, N=4, K=1, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True,
+                                     delta_in_dq=True)),
+    Case("delta_in_dq_mla_128_64", T=512, S=512, N=4, K=1, Dqk=128, Dv=64, window=(-1, 0),
+         blocks=BBS(num_stages=2, delta_in_dq=True)),
 ], ids=lambda c: c.name)
 def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU
@@ -318,7 +338,10 @@ def test_gpu_path_lowers_for_cuda(case, monkeypatch):
         assert len(counted) == 1 and set(estimate) == {"dkv"}, (counted, estimate)
         assert counted[0] <= estimate["dkv"], (counted, estimate)
         return
-    *dkv, dq = counted  # the split dK/dV passes are two launches
+    if blocks.delta_in_dq:  # the dQ kernel runs first (it writes delta)
+        dq, *dkv = counted
+    else:
+        *dkv, dq = counted  # the split dK/dV passes are two launches
     assert len(dkv) == (2 if blocks.split_dkv else 1), counted
     assert max(dkv) <= estimate["dkv"] and dq <= estimate["dq"], (counted, estimate)
 

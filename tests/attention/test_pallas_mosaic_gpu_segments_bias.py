@@ -105,10 +105,20 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
          blocks=(FWD, dataclasses.replace(BWD, wg_ranges=True))),
     Case("gpu_wg_ranges_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.1,
          blocks=(FWD, dataclasses.replace(BWD, wg_ranges=True))),
+    # delta_in_dq (written 2026-12-05 without a GPU): delta from the dQ kernel, persistent, with
+    # padding, dropout and a bias
+    Case("gpu_delta_in_dq_persistent_padding_cross_dropout_bias", mask="none", dropout_rate=0.2,
+         seqlens=True, bias=(2, 1), q_ids=(((1, 70), (0, 30)), ((1, 100),)),
+         kv_ids=(((1, 110),), ((1, 40), (0, 70))),
+         blocks=(FWD, dataclasses.replace(BWD, delta_in_dq=True, persistent_dq=True))),
 ]
-# In the interpreter: the fused backward with packed documents, a window and dropout.
+# In the interpreter: the fused backward with packed documents, a window and dropout; delta
+# computed by the dQ kernel under dropout (its (1 - r)) with a learnable sink (dsink from it).
 FUSED_CASE = Case("fused_dq_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.25,
                   blocks=(FWD, dataclasses.replace(BWD, fused_dq=True)))
+DELTA_CASE = Case("delta_in_dq_packed_window_dropout_learnable", q_ids=PACKED, window=(40, 0),
+                  dropout_rate=0.25, softmax="learnable",
+                  blocks=(FWD, dataclasses.replace(BWD, delta_in_dq=True)))
 
 
 def visible(case: Case, q_ids, kv_ids) -> np.ndarray:
@@ -228,13 +238,13 @@ def check_case(case: Case, *, interpret: bool):
         assert (np.asarray(ranges[..., 3] - ranges[..., 0]) < nk).any(), np.asarray(ranges)
 
 
-@pytest.mark.parametrize("case", CASES + [FUSED_CASE], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + [FUSED_CASE, DELTA_CASE], ids=lambda c: c.name)
 def test_segments_interpret(case, interpreter):
     check_case(case, interpret=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES + GPU_CASES + [FUSED_CASE], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + GPU_CASES + [FUSED_CASE, DELTA_CASE], ids=lambda c: c.name)
 def test_segments_gpu(case):
     check_case(case, interpret=False)
 

@@ -26,8 +26,17 @@ def test_per_kernel_totals_longest_first():
     planes = [_plane("/device:GPU:0", [("XLA Ops", [5e6]), ("Stream #13", [1e6, 2.5e6, 1e6])]),
               _plane("/host:CPU", [("Stream #1", [9e9])])]
     totals = kernel_time.stream_kernels_ns(planes)
-    assert list(totals.items()) == [("k2.5e+06", 2.5e6), ("k1e+06", 2e6)]
+    assert list(totals.items()) == [("k2.5e+06", 2.5e6), ("k1e+06#0", 1e6), ("k1e+06#1", 1e6)]
+    assert kernel_time.stream_kernels_ns(planes, calls=2)["k1e+06"] == 2e6  # once per call
     assert kernel_time.stream_kernels_ns([_plane("/host:CPU", [("Stream #1", [1e6])])]) == {}
+
+
+def test_a_name_launched_twice_per_call_is_split_by_launch_order():
+    events = [NS(name="entry", start_ns=t, duration_ns=d) for t, d in
+              ((0, 5.0), (10, 1.0), (20, 6.0), (30, 2.0))]  # two calls: (5, 1), (6, 2)
+    planes = [NS(name="/device:GPU:0", lines=[NS(name="Stream #7", events=events)])]
+    assert kernel_time.stream_kernels_ns(planes, calls=2) == {"entry#0": 11.0, "entry#1": 3.0}
+    assert kernel_time.stream_kernels_ns(planes, calls=4) == {"entry": 14.0}
 
 
 def test_none_without_a_gpu_stream_line():

@@ -130,8 +130,8 @@ from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 # -- the dQ kernel ------------------------------------------------------------------------------
 
 def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, tok_refs, dq_ref,
-               dbias_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
-               interpret: bool):
+               dbias_ref, delta_out_ref, smem, barriers, *, spec: AttentionSpec,
+               bs: BackwardBlockSizes, interpret: bool):
     # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk],
     # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
@@ -143,13 +143,17 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     # bkv], dbias_smem [W, rows, bkv]; dq_smem [W, rows, Dqk] (persistent_dq: dQ's own
     # epilogue buffer, so the next tile's Q loads while it drains) or None;
     # tok_refs None or (ranges [B, Tp / block_q_dq, 4], q tables [B, Tp], kv tables [B, Sp]);
-    # qtok_smem [W, rows] int32 per q table, kvtok_smem [stages, bkv] int32 per kv table
+    # qtok_smem [W, rows] int32 per q table, kvtok_smem [stages, bkv] int32 per kv table;
+    # delta_in_dq: delta_ref is O [B, Tp, N, Dv] (into o_smem [W, rows, Dv]), and the kernel
+    # computes delta = rowsum(O o dO) (times 1 - r under dropout) itself, writes it from
+    # delta_smem into delta_out_ref [B, N, Tp] f32 for the dK/dV kernel; else delta_out_ref
+    # and o_smem are None
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, hash_smem, bias_smem,
-     dbias_smem, dq_smem) = smem[:11]
+     dbias_smem, dq_smem, o_smem) = smem[:12]
     (q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready, k_consumed, v_consumed,
      hash_ready, bias_ready) = barriers[:10]
-    n_tok = len(smem[11:]) // 2
-    qtok_smem, kvtok_smem = smem[11:11 + n_tok], smem[11 + n_tok:]
+    n_tok = len(smem[12:]) // 2
+    qtok_smem, kvtok_smem = smem[12:12 + n_tok], smem[12 + n_tok:]
     qtok_ready, kvtok_ready = barriers[10:10 + n_tok], barriers[10 + n_tok:]
     dropout = hash_ref is not None
     W, stages, bkv = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq
@@ -290,7 +294,10 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[wg], q_ready.at[wg])
             plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[wg], do_ready.at[wg])
             plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_ready.at[wg])
-            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
+            if o_smem is None:
+                plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
+            else:  # O's rows: delta is computed here
+                plgpu.copy_gmem_to_smem(delta_ref.at[q_rows], o_smem.at[wg], delta_ready.at[wg])
             if dropout:
                 plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[wg], hash_ready.at[wg])
             for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
@@ -309,7 +316,19 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 plgpu.barrier_wait(barrier.at[wg])
             q_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in qtok_smem] + [None]
             lse = plgpu.load(lse_smem.at[wg], layout=ROW)
-            delta = plgpu.load(delta_smem.at[wg], layout=ROW)
+            if o_smem is None:
+                delta = plgpu.load(delta_smem.at[wg], layout=ROW)
+            else:  # delta = rowsum(O o dO) in float32 (the r-free form's (1 - r) under dropout)
+                o = plgpu.load(o_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                d_o = plgpu.load(do_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                delta = jnp.sum(o * d_o, axis=1)
+                if dropout:
+                    delta = delta * jnp.float32(1.0 - spec.dropout_rate)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's delta has left
+                delta_smem.at[wg][...] = delta
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(delta_smem.at[wg],
+                                        delta_out_ref.at[batch, head, pl.ds(row0, rows)])
             row_hash = None
             if dropout:
                 plgpu.barrier_wait(hash_ready.at[wg])
@@ -472,7 +491,9 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
     return (*outs, None)
 
 
-def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):
+def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret, out=None):
+    """(dq, dbias or None, delta or None): with `out` (O, padded; delta None) the kernel
+    computes delta itself and returns it (delta_in_dq)."""
     W, stages, bkv, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_q_dq // W, row_hash is not None
     n_tok, grid = tokens.per_side(spec), (q.shape[1] // bs.block_q_dq, spec.num_heads, spec.batch)
@@ -488,7 +509,8 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):
             plgpu.SMEM((W, rows), jnp.uint32) if dropout else None,
             smem_tile((stages, W, rows, bkv), dtype) if bias is not None else None,
             smem_tile((W, rows, bkv), dtype) if bias is not None else None,
-            smem_tile((W, rows, spec.qk_dim), dtype) if bs.persistent_dq else None]
+            smem_tile((W, rows, spec.qk_dim), dtype) if bs.persistent_dq else None,
+            smem_tile((W, rows, spec.v_dim), dtype) if out is not None else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bkv), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W) for _ in range(4)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(2)]
@@ -500,20 +522,25 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret):
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype),)
     if bias is not None:  # dS of every visited tile, per batch row and head
         out_type += (jax.ShapeDtypeStruct((spec.batch, spec.num_heads) + bias.shape[2:], dtype),)
+    if out is not None:  # delta, for the dK/dV kernel
+        out_type += (jax.ShapeDtypeStruct(lse2.shape, jnp.float32),)
 
-    def kernel(*refs):  # (inputs..., dq[, dbias], smem, barriers): dbias_ref None without bias
-        if bias is None:
-            refs = refs[:-2] + (None,) + refs[-2:]
-        return dq_kernel(*refs)
+    def kernel(*refs):  # (inputs..., dq[, dbias][, delta], smem, barriers)
+        *head, smem_refs, barrier_refs = refs
+        outs = head[len(head) - len(out_type):]
+        dbias_ref = outs[1] if bias is not None else None
+        delta_out_ref = outs[-1] if out is not None else None
+        return dq_kernel(*head[:len(head) - len(out_type)], outs[0], dbias_ref, delta_out_ref,
+                         smem_refs, barrier_refs)
 
     grid_names = ("q", "heads", "batch")
     if bs.persistent_dq:  # one CTA per SM (at most one per tile), looping over its tiles
         from flashmesh.attention.pallas_mosaic_gpu_sm90 import sm_count
 
         grid, grid_names = (min(sm_count(interpret), int(np.prod(grid))),), ("sm",)
-    outs = _launch(kernel, (q, k, v, do, lse2, delta, row_hash, bias, tok), out_type, smem,
-                   barriers, grid, grid_names, bs, interpret)
-    return outs if bias is not None else (outs[0], None)
+    outs = _launch(kernel, (q, k, v, do, lse2, delta if out is None else out, row_hash, bias, tok),
+                   out_type, smem, barriers, grid, grid_names, bs, interpret)
+    return (outs[0], outs[1] if bias is not None else None, outs[-1] if out is not None else None)
 
 
 def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_lse=None,
@@ -548,36 +575,49 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     check_dropout_hash(spec, dropout_hash)
     check_tables(spec, tables)
     check_bias(spec, bias)
-    delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
-    if d_lse is not None:
-        if d_lse.shape != lse.shape:
-            raise ValueError(f"d_lse.shape={d_lse.shape} must be lse's {lse.shape}")
-        delta = delta - d_lse.astype(jnp.float32)
-    dsink = None
-    if spec.softmax == "learnable":
-        # The sink's probability exp(z - lse) times its (zero) dP minus delta, summed over b, t.
-        p_sink = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse)
-        dsink = -jnp.sum(p_sink * delta, axis=(0, 2))
-    if spec.has_dropout:  # the kernels' r-free form: dC' = P (dP keep - (1 - r) delta)
-        delta = delta * jnp.float32(1.0 - spec.dropout_rate)
+    if d_lse is not None and d_lse.shape != lse.shape:
+        raise ValueError(f"d_lse.shape={d_lse.shape} must be lse's {lse.shape}")
+    # delta_in_dq: the dQ kernel (run first) computes delta from O and dO itself; the fused
+    # backward (no dQ kernel) and an lse cotangent take XLA's
+    in_dq = bs.delta_in_dq and not bs.fused_dq and d_lse is None
+    delta = None
+    if not in_dq:
+        delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
+        if d_lse is not None:
+            delta = delta - d_lse.astype(jnp.float32)
+        if spec.has_dropout:  # the kernels' r-free form: dC' = P (dP keep - (1 - r) delta)
+            delta = delta * jnp.float32(1.0 - spec.dropout_rate)
     # Tails: zero-pad T and S to multiples of both kernels' tiles. Padded query rows get
     # q = dO = lse = delta = 0 (finite P, exactly zero dS and dV terms); padded keys are masked.
     q_mult, kv_mult = np.lcm(bs.block_q, bs.block_q_dq), np.lcm(bs.block_kv, bs.block_kv_dq)
     qp, dop = pad_to(q, 1, int(q_mult)), pad_to(do.astype(q.dtype), 1, int(q_mult))
     kp, vp = pad_to(k, 1, int(kv_mult)), pad_to(v, 1, int(kv_mult))
     lse2 = pad_to(lse * jnp.float32(LOG2E), 2, int(q_mult))
-    delta = pad_to(delta, 2, int(q_mult))
+    delta = None if delta is None else pad_to(delta, 2, int(q_mult))
     if dropout_hash is not None:  # padded rows have dO = 0: their hash does not matter
         dropout_hash = pad_to(dropout_hash, 2, int(q_mult))
     bias_p = bias_t = None
     if bias is not None:  # zero-padded like q, k; the dK/dV kernel reads it transposed
         bias_p = pad_to(pad_to(bias.astype(q.dtype), 2, int(q_mult)), 3, int(kv_mult))
         bias_t = bias_p.swapaxes(2, 3)
-    dk, dv, dq = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs, interpret)
-    if dq is None:
-        dq, dbias = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_p, tables, spec, bs, interpret)
-    else:  # fused: dS K summed over the key tiles; the scale and dropout's 1 / (1 - r) here
-        dq, dbias = (dq * (spec.scale / (1.0 - spec.dropout_rate))).astype(q.dtype), None
+    if in_dq:  # the dQ kernel first: it writes the delta the dK/dV kernel reads
+        outp = pad_to(out.astype(q.dtype), 1, int(q_mult))
+        dq, dbias, delta = _dq(qp, kp, vp, dop, lse2, None, dropout_hash, bias_p, tables, spec, bs,
+                               interpret, out=outp)
+    dk, dv, dq_fused = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs,
+                            interpret)
+    if dq_fused is not None:  # fused: dS K summed over the key tiles; the scale and dropout's
+        dq, dbias = (dq_fused * (spec.scale / (1.0 - spec.dropout_rate))).astype(q.dtype), None
+    elif not in_dq:
+        dq, dbias, _ = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_p, tables, spec, bs,
+                           interpret)
+    dsink = None
+    if spec.softmax == "learnable":
+        # The sink's probability exp(z - lse) times its (zero) dP minus delta, summed over b, t
+        # (delta without dropout's (1 - r), which only the kernels' r-free form carries).
+        p_sink = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse)
+        unscaled = delta[:, :, :spec.q_len] / jnp.float32(1.0 - spec.dropout_rate)
+        dsink = -jnp.sum(p_sink * unscaled, axis=(0, 2))
     S, T = spec.kv_len, spec.q_len
     if dbias is not None:
         dbias = _reduce_dbias(dbias[:, :, :T, :S], spec, tables, bs).astype(bias.dtype)

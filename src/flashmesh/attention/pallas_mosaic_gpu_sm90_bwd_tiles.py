@@ -89,6 +89,12 @@ class BackwardBlockSizes:
       its work. Not with fused_dq (no dQ kernel). Off by default: on the H200 (2026-12-05) it
       pays on the window anchor (above) and costs under causal masks of long tiles (the guide
       layer's attention 1.165 ms against 0.956).
+    delta_in_dq: the dQ kernel runs first and computes delta = rowsum(O o dO) itself from O's
+      rows (one more [block_q_dq, Dv] tile of shared memory), writing it for the dK/dV kernel,
+      instead of an XLA reduction over O and dO before both kernels (0.128 ms of the window
+      anchor's 0.893 ms backward on the H200, 2026-12-05: a pass over 537 MB). Not with fused_dq
+      (no dQ kernel); a call with an lse cotangent takes XLA's delta. Off by default until timed
+      on a GPU (written 2026-12-05 without one).
     """
 
     block_q: int = 64
@@ -106,6 +112,7 @@ class BackwardBlockSizes:
     overlap: bool = False
     wg_ranges: bool = False
     persistent_dq: bool = False
+    delta_in_dq: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -122,7 +129,7 @@ class BackwardBlockSizes:
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
         for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap", "wg_ranges",
-                     "persistent_dq"):
+                     "persistent_dq", "delta_in_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:
@@ -137,9 +144,10 @@ class BackwardBlockSizes:
             raise ValueError("BackwardBlockSizes.wg_ranges=True needs dq_columns=False and "
                              "stagger_q=False (both make every warpgroup take every step), got "
                              f"dq_columns={self.dq_columns}, stagger_q={self.stagger_q}")
-        if self.persistent_dq and self.fused_dq:
-            raise ValueError("BackwardBlockSizes.persistent_dq=True needs fused_dq=False (the "
-                             "fused backward has no dQ kernel)")
+        for name in ("persistent_dq", "delta_in_dq"):
+            if getattr(self, name) and self.fused_dq:
+                raise ValueError(f"BackwardBlockSizes.{name}=True needs fused_dq=False (the fused "
+                                 "backward has no dQ kernel)")
         if self.overlap and self.split_dkv:
             raise ValueError("BackwardBlockSizes.overlap=True needs split_dkv=False (the split "
                              "passes keep the default order)")
@@ -170,8 +178,12 @@ class BackwardBlockSizes:
         row = size * d + (12 if spec.has_dropout else 8)  # Q, dO rows; lse, delta (hash)
         dkv = self.num_stages * self.block_q * row + size * self.block_kv * d
         dq = self.block_q_dq * row + self.num_stages * self.block_kv_dq * size * d
+        # each option's buffer with 2 KiB more of Mosaic's alignment (lowering for cuda counted
+        # 200832 bytes for persistent_dq + delta_in_dq at d128, 1152 past the tiles + SMEM_SLACK)
         if self.persistent_dq:  # dQ's own epilogue buffer
-            dq += self.block_q_dq * spec.qk_dim * size
+            dq += self.block_q_dq * spec.qk_dim * size + 2048
+        if self.delta_in_dq:  # O's rows
+            dq += self.block_q_dq * spec.v_dim * size + 2048
         W, stages = self.num_compute_wgs, self.num_stages
         dkv += tokens.smem_bytes(spec, self.block_kv, self.block_q, stages, W)  # segments
         dq += tokens.smem_bytes(spec, self.block_q_dq, self.block_kv_dq, stages, W)

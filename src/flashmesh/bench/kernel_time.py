@@ -41,14 +41,24 @@ def stream_kernel_ns(planes: Iterable[Any]) -> float | None:
     return float(sum(durations)) if durations else None
 
 
-def stream_kernels_ns(planes: Iterable[Any]) -> dict[str, float]:
+def stream_kernels_ns(planes: Iterable[Any], calls: int = 1) -> dict[str, float]:
     """Total duration (ns) per kernel name of the events on the stream lines of a profile's
-    GPU planes, longest first (empty when none)."""
+    GPU planes, longest first (empty when none). A name launched n > 1 times per call (of
+    `calls`; e.g. two Pallas kernels both named by their entry point) is split by launch
+    order within the call: "name#0", "name#1", ... (events ordered by start time)."""
+    events = sorted(((getattr(event, "start_ns", 0), event.name, event.duration_ns)
+                     for line in device_lines(planes) if line.name.startswith(STREAM_LINE_PREFIX)
+                     for event in line.events), key=lambda e: e[0])
+    counts: dict[str, int] = {}
+    for _, name, _ in events:
+        counts[name] = counts.get(name, 0) + 1
+    seen: dict[str, int] = {}
     totals: dict[str, float] = {}
-    for line in device_lines(planes):
-        if line.name.startswith(STREAM_LINE_PREFIX):
-            for event in line.events:
-                totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns
+    for _, name, ns in events:
+        per_call = counts[name] // calls if counts[name] % calls == 0 else 1
+        label = name if per_call <= 1 else f"{name}#{seen.get(name, 0) % per_call}"
+        seen[name] = seen.get(name, 0) + 1
+        totals[label] = totals.get(label, 0.0) + ns
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
@@ -69,7 +79,7 @@ def kernels_ms(compiled: Callable, args: tuple, calls: int = 5) -> dict[str, flo
     if calls < 1:
         raise ValueError(f"calls={calls} must be >= 1")
     return {name: ns / 1e6 / calls
-            for name, ns in stream_kernels_ns(_traced_planes(compiled, args, calls)).items()}
+            for name, ns in stream_kernels_ns(_traced_planes(compiled, args, calls), calls).items()}
 
 
 def kernel_ms(compiled: Callable, args: tuple, calls: int = 5) -> float | None:
