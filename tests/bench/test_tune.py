@@ -122,9 +122,9 @@ def test_backward_candidates_start_with_todays_config_and_all_fit():
     assert not any(bs.dq_columns for bs in found)  # d64: half the columns is no whole swizzle tile
     assert not any(bs.wg_ranges for bs in found)  # causal: wg_ranges saves at most a step a head
     swa = tune_backward.candidates(tune.spec_of(ANCHORS["seed000_gqa_swa"]))
-    twins = [swa[0], dataclasses.replace(swa[0], overlap=not swa[0].overlap)]
-    twins += [dataclasses.replace(c, wg_ranges=True) for c in twins]
-    twins += [dataclasses.replace(c, persistent_dq=True) for c in twins]
+    twins = [swa[0]]  # today's config, then each flip of overlap, wg_ranges, persistent_dq
+    for field in ("overlap", "wg_ranges", "persistent_dq"):
+        twins += [dataclasses.replace(c, **{field: not getattr(c, field)}) for c in twins]
     assert swa[:8] == twins and not any(c.wg_ranges or c.persistent_dq for c in swa[8:])
     d128 = tune_backward.candidates(tune.spec_of(ANCHORS["full_4k_h16_d128"]))
     assert any(bs.dq_columns and bs.stagger_q for bs in d128) and any(bs.dq_columns and not bs.stagger_q for bs in d128)
