@@ -133,16 +133,17 @@ from jaxtyping import Array, Float
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_BYTES, WARPGROUP,
-                                                            BlockSizes, band_kv_range, check_spec,
+                                                            BlockSizes, check_spec,
                                                             smem_tile, split_part)
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, dropout_row_hash,
                                                             dropout_threshold, inputs_dropout_hash,
                                                             pad_to, spec_for)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, bias_copy,
-                                                                dropout_keep, pv_from_registers,
+                                                                dropout_keep, for_each_tile,
+                                                                persistent_tiles, pv_from_registers,
                                                                 pv_from_smem, drain_ring, stream_kv,
-                                                                table_copies)
+                                                                table_copies, tile_kv_range)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
 
 
@@ -237,15 +238,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     splits = bs.num_splits
     wg = lax.axis_index("wg")
     if bs.persistent:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile)
-        cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
-        total = num_q_tiles * spec.num_heads * spec.batch
-        num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
-
-        def coords(i):
-            flat = i * num_ctas + cta
-            rest = lax.div(flat, jnp.int32(num_q_tiles))
-            return (lax.rem(flat, jnp.int32(num_q_tiles)), lax.rem(rest, jnp.int32(spec.num_heads)),
-                    lax.div(rest, jnp.int32(spec.num_heads)))
+        num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch)
     else:  # one tile per CTA: grid (q tile [x split], head, batch)
         num_local = 1
         q_axis, split = lax.axis_index("q"), None
@@ -266,23 +259,13 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
         q_tile, head, batch = coords(i)
         if bs.lpt_order:  # the longest (causal: last) query tiles of each head first
             q_tile = num_q_tiles - 1 - q_tile
-        if tok_refs is None:
-            r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                              diagonal_offset=spec.diagonal_offset, block_q=bs.block_q,
-                              block_kv=bkv)
-        else:  # segments: the block map's ranges of this batch row
-            r = tokens.load_ranges(tok_refs[0], batch, q_tile)
+        r = tile_kv_range(spec, tok_refs, q_tile, batch, bs.block_q, bkv)
         if splits > 1:
             r = split_part(r, split, splits)
         return q_tile, head, batch, r
 
-    def for_each_tile(run_tile):
-        """run_tile(i, issued) -> issued + the tile's key tiles, over the CTA's tiles; issued
-        counts the key tiles streamed before, so the K/V ring's slots and barrier phases run on
-        across tiles (`stream_kv`). Returns the final count."""
-        if not bs.persistent:
-            return run_tile(0, 0)  # Python ints: no constant closes over the inner jaxprs
-        return lax.fori_loop(jnp.int32(0), num_local, run_tile, jnp.int32(0))
+    def for_each(run_tile):
+        return for_each_tile(run_tile, num_local if bs.persistent else None)
 
     @pl.when(wg < W)
     def _compute():
@@ -540,7 +523,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
 
             return issued + jnp.maximum(hi - lo, 0)
 
-        for_each_tile(run_tile)
+        for_each(run_tile)
         if prefetch:  # the last tile's stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -562,7 +545,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                       extra=extra, issued=issued, drain=not bs.persistent)
             return issued + jnp.maximum(r.hi - r.lo, 0)
 
-        issued = for_each_tile(run_tile)
+        issued = for_each(run_tile)
         if bs.persistent:  # observe the last slots' releases once, after the last tile
             drain_ring((k_consumed, v_consumed), issued, stages)
 

@@ -122,8 +122,9 @@ from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logi
                                                                     wgmma_iota, zero_acc)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes, default_for
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LOG2E, band_mask, bias_copy,
-                                                                drain_ring, dropout_keep, stream_kv,
-                                                                table_copies)
+                                                                drain_ring, dropout_keep, for_each_tile,
+                                                                persistent_tiles, stream_kv,
+                                                                table_copies, tile_kv_range)
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 
@@ -161,16 +162,9 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     dtype = jnp.dtype(spec.dtype)
     num_q_tiles = q_ref.shape[1] // bs.block_q_dq
     wg = lax.axis_index("wg")
+    num_local = None  # one tile per CTA
     if bs.persistent_dq:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile)
-        cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
-        total = num_q_tiles * spec.num_heads * spec.batch
-        num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
-
-        def coords(i):
-            flat = i * num_ctas + cta
-            rest = lax.div(flat, jnp.int32(num_q_tiles))
-            return (lax.rem(flat, jnp.int32(num_q_tiles)), lax.rem(rest, jnp.int32(spec.num_heads)),
-                    lax.div(rest, jnp.int32(spec.num_heads)))
+        num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch)
     else:  # one tile per CTA: grid (q tile, head, batch)
         def coords(i):
             del i
@@ -182,21 +176,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         most keys, so they start first and the short ones fill the end."""
         q_index, head, batch = coords(i)
         q_tile = num_q_tiles - 1 - q_index
-        if tok_refs is None:
-            r = band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                              diagonal_offset=spec.diagonal_offset, block_q=bs.block_q_dq,
-                              block_kv=bkv)
-        else:  # segments: the block map's ranges of this batch row
-            r = tokens.load_ranges(tok_refs[0], batch, q_tile)
-        return q_tile, head, batch, r
-
-    def for_each_tile(run_tile):
-        """run_tile(i, issued) -> issued + the tile's key tiles, over the CTA's tiles; issued
-        counts the key tiles streamed before, so the ring's slots and barrier phases run on
-        across tiles. Returns the final count."""
-        if not bs.persistent_dq:
-            return run_tile(0, 0)
-        return lax.fori_loop(jnp.int32(0), num_local, run_tile, jnp.int32(0))
+        return q_tile, head, batch, tile_kv_range(spec, tok_refs, q_tile, batch, bs.block_q_dq, bkv)
 
     def slot_in(issued, lo):
         return lambda step: lax.rem(issued + step - lo, jnp.int32(stages))
@@ -350,7 +330,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.copy_smem_to_gmem(out.at[wg], dq_ref.at[batch, pl.ds(row0, rows), head])
             return issued + r.hi - r.lo
 
-        for_each_tile(run_tile)
+        for_each_tile(run_tile, num_local)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == W)
@@ -369,7 +349,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                       issued=issued, drain=False)
             return issued + r.hi - r.lo
 
-        drain_ring((k_consumed, v_consumed), for_each_tile(run_tile), stages)
+        drain_ring((k_consumed, v_consumed), for_each_tile(run_tile, num_local), stages)
 
 
 # -- the wrapper --------------------------------------------------------------------------------

@@ -62,6 +62,45 @@ def pv_from_smem(acc, p16, v_tile, p_smem, during):
     return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def persistent_tiles(num_q_tiles: int, num_heads: int, batch: int):
+    """A persistent grid (axis "sm", at most one CTA per tile): CTA c takes the tiles c, c + C,
+    c + 2C, ... of the flat (batch, head, query tile) order. Returns (num_local, coords), the
+    CTA's tile count and coords(i) -> (query tile index, head, batch) of its i-th tile."""
+    cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+    total = num_q_tiles * num_heads * batch
+    num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
+
+    def coords(i):
+        flat = i * num_ctas + cta
+        rest = lax.div(flat, jnp.int32(num_q_tiles))
+        return (lax.rem(flat, jnp.int32(num_q_tiles)), lax.rem(rest, jnp.int32(num_heads)),
+                lax.div(rest, jnp.int32(num_heads)))
+
+    return num_local, coords
+
+
+def tile_kv_range(spec: AttentionSpec, tok_refs, q_tile, batch, block_q: int, block_kv: int):
+    """The key tiles query tile `q_tile` of batch row `batch` meets (forward, dQ): the band's
+    closed form, or with segments (tok_refs) the block map's ranges of that row."""
+    from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
+    from flashmesh.attention.pallas_mosaic_gpu_common import band_kv_range
+
+    if tok_refs is None:
+        return band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                             diagonal_offset=spec.diagonal_offset, block_q=block_q, block_kv=block_kv)
+    return tokens.load_ranges(tok_refs[0], batch, q_tile)
+
+
+def for_each_tile(run_tile, num_local):
+    """run_tile(i, issued) -> issued + the tile's key tiles, over a CTA's tiles (num_local of
+    them, or one with Python ints when None: no constant closes over the inner jaxprs);
+    issued counts the key tiles streamed before, so a K/V ring's slots and barrier phases run
+    on across tiles (`stream_kv`). Returns the final count."""
+    if num_local is None:
+        return run_tile(0, 0)
+    return lax.fori_loop(jnp.int32(0), num_local, run_tile, jnp.int32(0))
+
+
 def table_copies(tok_refs, smems, ready, batch, block: int) -> tuple:
     """`stream_kv` extras for the streamed side's token tables (segments): tile `step` of each
     table [B, L] into its ring slot."""
