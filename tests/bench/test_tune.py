@@ -116,16 +116,21 @@ def test_backward_candidates_start_with_todays_config_and_all_fit():
     for bs in found:
         assert bs.validate_for(spec) is bs
     assert tune_backward.candidates(spec, 2) == found[:2]
-    # each config followed by its twin with the other overlap (today's first)
+    # today's config first, then its twin with the other overlap; each two-kernel config with
+    # its delta_in_dq twin where that fits (the fused kernel has no dQ kernel)
     assert found[1] == dataclasses.replace(found[0], overlap=not found[0].overlap)
-    assert all(dataclasses.replace(bs, overlap=not bs.overlap) in found for bs in found)
+    two = [bs for bs in found if not bs.fused_dq]
+    assert two and all(dataclasses.replace(bs, delta_in_dq=not bs.delta_in_dq) in found for bs in two
+                       if bs.block_kv_dq == 64)  # 128-key dQ steps leave no room for O's rows
+    assert not any(bs.delta_in_dq for bs in found if bs.fused_dq)
     assert not any(bs.dq_columns for bs in found)  # d64: half the columns is no whole swizzle tile
     assert not any(bs.wg_ranges for bs in found)  # causal: wg_ranges saves at most a step a head
     swa = tune_backward.candidates(tune.spec_of(ANCHORS["seed000_gqa_swa"]))
-    twins = [swa[0]]  # today's config, then each flip of overlap, wg_ranges, persistent_dq
-    for field in ("overlap", "wg_ranges", "persistent_dq"):
+    twins = [swa[0]]  # today's config, then each flip of overlap, delta_in_dq, wg_ranges, persistent_dq
+    for field in ("overlap", "delta_in_dq", "wg_ranges", "persistent_dq"):
         twins += [dataclasses.replace(c, **{field: not getattr(c, field)}) for c in twins]
-    assert swa[:8] == twins and not any(c.wg_ranges or c.persistent_dq for c in swa[8:])
+    assert swa[:16] == twins
+    assert not any(c.wg_ranges or c.persistent_dq for c in swa[16:])  # today's config's only
     d128 = tune_backward.candidates(tune.spec_of(ANCHORS["full_4k_h16_d128"]))
     assert any(bs.dq_columns and bs.stagger_q for bs in d128) and any(bs.dq_columns and not bs.stagger_q for bs in d128)
     assert tune_backward.config_fields(bwd_tiles.BackwardBlockSizes(block_q=128, fused_dq=True)) == {
