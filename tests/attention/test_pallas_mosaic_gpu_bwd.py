@@ -99,6 +99,9 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     Case("delta_in_dq_persistent_causal_gqa_tails_learnable", T=200, S=264, N=2, K=1,
          window=(-1, 0), bottom_right=True, softmax="learnable",
          blocks=BBS(num_stages=2, persistent_dq=True, delta_in_dq=True), races=True),
+    # d256: delta summed over O's and dO's two 128-column slices
+    Case("delta_in_dq_d256_column_slices", T=128, S=128, N=1, K=1, Dqk=256, Dv=256, window=(-1, 0),
+         blocks=dataclasses.replace(ONE_WG, num_stages=1, split_dkv=True, delta_in_dq=True)),
 ]
 GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 and MLA 192/128
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -313,6 +316,10 @@ def test_backward_gpu(case):
                                      delta_in_dq=True)),
     Case("delta_in_dq_mla_128_64", T=512, S=512, N=4, K=1, Dqk=128, Dv=64, window=(-1, 0),
          blocks=BBS(num_stages=2, delta_in_dq=True)),
+    # d256: delta summed over two 128-column slices of O and dO (one warpgroup, one stage)
+    Case("delta_in_dq_d256_split_dkv_one_wg", T=256, S=256, N=2, K=1, Dqk=256, Dv=256,
+         window=(-1, 0), blocks=dataclasses.replace(ONE_WG, num_stages=1, split_dkv=True,
+                                                    delta_in_dq=True)),
 ], ids=lambda c: c.name)
 def test_gpu_path_lowers_for_cuda(case, monkeypatch):
     """The compiled path (register A operands, in-place accumulators) lowers through Mosaic GPU

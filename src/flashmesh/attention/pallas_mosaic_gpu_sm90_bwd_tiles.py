@@ -74,7 +74,8 @@ class BackwardBlockSizes:
       the CTA's union, and a warpgroup passes over a tile outside its range by waiting for it
       and releasing it. Under a window (128, 0) with 128-key tiles each warpgroup meets 3 of
       the CTA's 4 query tiles; causal calls save at most one step per head. Band masks only
-      (with segments both warpgroups take the block map's range of the tile); not with
+      (with segments both warpgroups take the block map's range of the tile; with a bias the
+      dQ kernel, which writes dbias per visited tile, keeps the CTA's range); not with
       dq_columns (each step needs both warpgroups' dSᵀ) nor stagger_q. Same results bit for
       bit. Off by default: on the H200 (2026-12-05) it pays under narrow windows (with
       persistent_dq the window anchor's backward 0.893 ms against 1.142), not under causal
