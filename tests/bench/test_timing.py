@@ -49,6 +49,23 @@ def test_time_interleaved_alternates_calls_in_rounds(monkeypatch):
         time_interleaved([(a, (x,))], rounds=0)
 
 
+def test_back_to_back_is_the_median_of_interleaved_batches(monkeypatch):
+    x = jnp.ones((4,))
+    a, b = (jax.jit(f).lower(x).compile() for f in (lambda v: v + 1.0, lambda v: v * 2.0))
+    order, figures = [], {"a": iter([5.0, 1.0, 2.0]), "b": iter([3.0, 9.0, 4.0])}
+
+    def fake(c, args, n):
+        name = "ab"[c is b]
+        order.append(name)
+        assert n == 4
+        return next(figures[name])
+
+    monkeypatch.setattr(timing, "back_to_back", fake)
+    ta, tb = time_interleaved([(a, (x,)), (b, (x,))], warmup=0, iters=4, rounds=2)
+    assert "".join(order) == "ab" * timing.B2B_BATCHES  # batches alternate between the calls
+    assert (ta.back_to_back_ms, tb.back_to_back_ms) == (2.0, 4.0)  # each call's median
+
+
 class TinyAttention(nn.Module):
     """A plain-JAX attention layer with a projection and dropout, taking a (q, k, v) tuple."""
 

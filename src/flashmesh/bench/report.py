@@ -26,7 +26,8 @@ TIMING_TEXT = ("each row is compiled ahead of time, run once and compared with t
                "reference, then warmed up; the rows of one shape and mode are timed together in "
                "interleaved rounds, call by call (each call ended by jax.block_until_ready); "
                "ms is the median over all rounds; 'back to back' is the time per call of as many "
-               "calls issued back to back with one synchronisation at the end (the host's dispatch "
+               "calls issued back to back with one synchronisation at the end, the median of 3 "
+               "such batches interleaved across the rows (the host's dispatch "
                "hidden behind the device's work: closer to kernel time on short rows); 'kernel' is "
                "the device's kernel time per call from a jax.profiler trace of up to 5 calls (the "
                "sum of the GPU kernels' durations; '-' where the profiler gives none, e.g. on a CPU)")
