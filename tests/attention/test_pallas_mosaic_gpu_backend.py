@@ -256,6 +256,12 @@ def test_describe_names_the_tiles_and_their_source():
     assert "does not fit this call under reproducible=True" in fixed and "dQ 128x64" in fixed
     assert "backward rule (no table entry)" in pallas_mosaic_gpu.describe(
         _spec(mask="causal", window=(32, 0)), "NVIDIA H200")
+    # the window anchor's entry (group 16, window 128): persistent dQ, per-warpgroup tiles
+    q, kv = jnp.zeros((1, 512, 16, 128), jnp.bfloat16), jnp.zeros((1, 512, 1, 128), jnp.bfloat16)
+    window = pallas_mosaic_gpu.describe(normalize(q, kv, kv, mask="causal", window=(128, 0))[1],
+                                        "NVIDIA H200")
+    assert "dQ 128x64 persistent" in window and "each warpgroup over its own band tiles" in window
+    assert "backward table entry seed000_gqa_swa" in window
     with pytest.raises(NotImplementedError, match="Hopper"):
         pallas_mosaic_gpu.describe(_spec(), "NVIDIA A100-SXM4-80GB")
 

@@ -185,7 +185,11 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
     else:
         backward = (f"backward dK/dV {back.block_q}x{back.block_kv}{passes}, dQ "
                     f"{back.block_q_dq}x{back.block_kv_dq}"
+                    f"{' persistent' if back.persistent_dq else ''}"
+                    f"{' (computing delta)' if back.delta_in_dq else ''}"
                     f"{', GEMMs overlapping the arithmetic' if back.overlap else ''}")
+    if back.wg_ranges:
+        backward += ", each warpgroup over its own band tiles"
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_tiles as bwd_tiles
 
     measured = bwd_tiles.measured_entry(spec)
