@@ -99,6 +99,9 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     Case("delta_in_dq_persistent_causal_gqa_tails_learnable", T=200, S=264, N=2, K=1,
          window=(-1, 0), bottom_right=True, softmax="learnable",
          blocks=BBS(num_stages=2, persistent_dq=True, delta_in_dq=True), races=True),
+    # persistent_dq under a causal mask: the query-tile-major order (3 CTAs over 4 x 2 tiles)
+    Case("persistent_dq_causal_q_major_gqa", T=256, S=256, N=2, K=1, window=(-1, 0),
+         blocks=dataclasses.replace(ONE_WG, persistent_dq=True)),
     # d256: delta summed over O's and dO's two 128-column slices
     Case("delta_in_dq_d256_column_slices", T=128, S=128, N=1, K=1, Dqk=256, Dv=256, window=(-1, 0),
          blocks=dataclasses.replace(ONE_WG, num_stages=1, split_dkv=True, delta_in_dq=True)),

@@ -126,8 +126,8 @@ def test_backward_candidates_start_with_todays_config_and_all_fit():
     assert not any(bs.dq_columns for bs in found)  # d64: half the columns is no whole swizzle tile
     assert not any(bs.wg_ranges for bs in found)  # causal: wg_ranges saves at most a step a head
     swa = tune_backward.candidates(tune.spec_of(ANCHORS["seed000_gqa_swa"]))
-    twins = [swa[0]]  # today's config, then each flip of overlap, delta_in_dq, wg_ranges, persistent_dq
-    for field in ("overlap", "delta_in_dq", "wg_ranges", "persistent_dq"):
+    twins = [swa[0]]  # today's config, then each flip of overlap, delta_in_dq, persistent_dq, wg_ranges
+    for field in ("overlap", "delta_in_dq", "persistent_dq", "wg_ranges"):
         twins += [dataclasses.replace(c, **{field: not getattr(c, field)}) for c in twins]
     assert swa[:16] == twins
     assert not any(c.wg_ranges or c.persistent_dq for c in swa[16:])  # today's config's only

@@ -163,8 +163,13 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     num_q_tiles = q_ref.shape[1] // bs.block_q_dq
     wg = lax.axis_index("wg")
     num_local = None  # one tile per CTA
-    if bs.persistent_dq:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile)
-        num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch)
+    if bs.persistent_dq:  # CTA c takes the tiles c, c + C, c + 2C, ... of the flat order:
+        # query-tile-major where tiles differ in work (an unbounded side, segments), so that the
+        # longest tiles of every head come first and each CTA meets every length; (batch,
+        # head)-major for a band's equal tiles (as measured on the window anchor)
+        q_major = tok_refs is not None or min(spec.window) < 0
+        num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch,
+                                             q_major=q_major)
     else:  # one tile per CTA: grid (q tile, head, batch)
         def coords(i):
             del i

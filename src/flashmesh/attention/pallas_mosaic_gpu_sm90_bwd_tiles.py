@@ -82,14 +82,17 @@ class BackwardBlockSizes:
       masks (the guide layer's attention 0.972 against 0.956); the table gives it to the
       window entry.
     persistent_dq: the dQ kernel on a persistent grid, one CTA per SM looping over (batch,
-      head, query tile) tiles (longest first within a head): the K/V ring runs on across
+      head, query tile) tiles (query-tile-major, longest first, where tiles differ in work:
+      causal, segments; (batch, head)-major for a band's equal tiles): the K/V ring runs on across
       tiles (the memory warpgroup streams the next tile's keys under this tile's last steps),
       the next tile's Q, dO, lse and delta load while this tile's dQ leaves from a buffer of
       its own (block_q_dq x Dqk more shared memory). For calls of many short tiles (narrow
       windows, short sequences), where each CTA's prologue and epilogue are a large part of
       its work. Not with fused_dq (no dQ kernel). Off by default: on the H200 (2026-12-05) it
-      pays on the window anchor (above) and costs under causal masks of long tiles (the guide
-      layer's attention 1.165 ms against 0.956).
+      pays on the window anchor (above) and cost under a causal mask (the guide layer's
+      attention 1.165 ms against 0.956) in the (batch, head)-major order, where a CTA's
+      stride met only some query tile indices (18% more work than the mean for some CTAs);
+      the query-tile-major order for such calls is untimed.
     delta_in_dq: the dQ kernel runs first and computes delta = rowsum(O o dO) itself from O's
       rows (one more [block_q_dq, Dv] tile of shared memory), writing it for the dK/dV kernel,
       instead of an XLA reduction over O and dO before both kernels (0.128 ms of the window

@@ -62,16 +62,26 @@ def pv_from_smem(acc, p16, v_tile, p_smem, during):
     return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def persistent_tiles(num_q_tiles: int, num_heads: int, batch: int):
+def persistent_tiles(num_q_tiles: int, num_heads: int, batch: int, *, q_major: bool = False):
     """A persistent grid (axis "sm", at most one CTA per tile): CTA c takes the tiles c, c + C,
-    c + 2C, ... of the flat (batch, head, query tile) order. Returns (num_local, coords), the
-    CTA's tile count and coords(i) -> (query tile index, head, batch) of its i-th tile."""
+    c + 2C, ... of the flat (batch, head, query tile) order, or with q_major of the flat (query
+    tile, batch, head) order. Returns (num_local, coords), the CTA's tile count and coords(i) ->
+    (query tile index, head, batch) of its i-th tile.
+
+    q_major is for tiles of unequal work (causal: the query tile index sets it): each CTA's
+    stride then visits every query tile index about equally often, where in the (batch, head)-
+    major order a CTA's indices repeat with the stride's residue modulo the tile count (the
+    guide layer's dQ, 16 tiles a head on 132 SMs: some CTAs got 18% more work than the mean)."""
     cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
     total = num_q_tiles * num_heads * batch
     num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
 
     def coords(i):
         flat = i * num_ctas + cta
+        if q_major:
+            rest = lax.rem(flat, jnp.int32(num_heads * batch))
+            return (lax.div(flat, jnp.int32(num_heads * batch)), lax.rem(rest, jnp.int32(num_heads)),
+                    lax.div(rest, jnp.int32(num_heads)))
         rest = lax.div(flat, jnp.int32(num_q_tiles))
         return (lax.rem(flat, jnp.int32(num_q_tiles)), lax.rem(rest, jnp.int32(num_heads)),
                 lax.div(rest, jnp.int32(num_heads)))

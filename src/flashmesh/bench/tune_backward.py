@@ -8,7 +8,7 @@ Per shape: `chunked`'s out and lse (what the backward kernels take from a forwar
 output cotangent, and `chunked`'s gradients as the check. Each candidate `BackwardBlockSizes` of `candidates(spec)`
 (the config the call gets today first, then a small grid: the two-kernel form over its query /
 key steps and stages, each config followed by its twin with the other `delta_in_dq`, today's config
-also with the other `overlap` (and under a bounded window `wg_ranges` and `persistent_dq`), the fused form over its query step and stages, each fused one also
+also with the other `overlap` and `persistent_dq` (and under a bounded window `wg_ranges`), the fused form over its query step and stages, each fused one also
 staggered and with dQ split by columns, the fused ones without columns only where columns do
 not fit) is compiled, run once and checked (the largest relative L2 error of dq, dk, dv <=
 the forward's tolerance; a wrong or failing candidate is reported and never chosen), then all are timed
@@ -45,8 +45,9 @@ def config_fields(bs: bwd.BackwardBlockSizes) -> dict:
 
 def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
     """Valid backward configs for this call, the one it gets today first."""
-    window = ("wg_ranges", "persistent_dq") if spec.window[0] >= 0 else ()
-    found = _with_twins(bwd.default_for(spec), spec, ("overlap", "delta_in_dq", *window))
+    window = ("wg_ranges",) if spec.window[0] >= 0 else ()
+    found = _with_twins(bwd.default_for(spec), spec, ("overlap", "delta_in_dq", "persistent_dq",
+                                                      *window))
     grid = itertools.product((False, True), GRID["block_q"], GRID["block_q_dq"], GRID["block_kv_dq"],
                              GRID["num_stages"])
     for fused, bq, bqdq, bkvdq, stages in grid:
@@ -66,9 +67,9 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
 
 def _with_twins(bs: bwd.BackwardBlockSizes, spec, fields) -> list[bwd.BackwardBlockSizes]:
     """bs, then its twins with the other value of each boolean field in turn, where they fit
-    the call (today's config: `overlap`, measured slower on the H200 so far, `delta_in_dq`, and
-    under a bounded window `wg_ranges`, a quarter of the steps at window 128 but at most one
-    step per head under a plain causal mask, and `persistent_dq`, for many short dQ tiles; the
+    the call (today's config: `overlap`, measured slower on the H200 so far, `delta_in_dq`,
+    `persistent_dq`, for many short dQ tiles, and under a bounded window `wg_ranges`, a quarter
+    of the steps at window 128 but at most one step per head under a plain causal mask; the
     grid's configs: `delta_in_dq`)."""
     found = [bs]
     for field in fields:
