@@ -3,7 +3,7 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune | profile | probe_mosaic[:<args, comma-separated>] | probe_train[:<args>] | probe_fp8[:<args>]
+#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune | profile | probe_mosaic[:<args, comma-separated>] | ncu:<probe_mosaic args> | probe_train[:<args>] | probe_fp8[:<args>]
 #   profile: benchmarks/probe_layer.py --profile (the guide's TransformerLayer step, bf16 and FP8,
 #   traced; where its GPU time goes, by category, XLA op and kernel) into $OUT/profile.log;
 #   PROFILE_ARGS for options, e.g. PROFILE_ARGS="--only transformer_layer_fp8".
@@ -72,6 +72,14 @@ for step in "$@"; do
     probe_fp8|probe_fp8:*)  # benchmarks/probe_fp8_transpose.py (args as probe_mosaic's)
       args="${step#probe_fp8}"; args="${args#:}"
       timeout "$limit" python3 benchmarks/probe_fp8_transpose.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_fp8.log" ;;
+    ncu:*)  # probe_mosaic under Nsight Compute (hardware counters; the clocks left alone), e.g.
+      # ncu:--bwd,causal_8k_h32_d128: NCU_ARGS picks the kernels and sections (default: the 2
+      # Mosaic kernel launches after 40, speed of light, warp states, schedulers, memory)
+      args="${step#ncu:}"
+      timeout "$limit" ncu --clock-control none --target-processes all ${NCU_ARGS:---kernel-name regex:mosaic \
+        --launch-skip 40 --launch-count 2 --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats \
+        --section Occupancy} python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/ncu.log" | tail -80 ;;
     probe_mosaic|probe_mosaic:*)  # e.g. probe_mosaic:--bwd,causal_8k_h32_d128 (commas: spaces)
       args="${step#probe_mosaic}"; args="${args#:}"
       timeout "$limit" python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_mosaic.log" ;;
