@@ -139,11 +139,11 @@ from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_drop
                                                             check_tables, dropout_row_hash,
                                                             dropout_threshold, inputs_dropout_hash,
                                                             pad_to, spec_for)
-from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, bias_copy,
-                                                                dropout_keep, for_each_tile,
-                                                                persistent_tiles, pv_from_registers,
-                                                                pv_from_smem, drain_ring, stream_kv,
-                                                                table_copies, tile_kv_range)
+from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, dropout_keep,
+                                                                for_each_tile, persistent_tiles,
+                                                                pv_from_registers, pv_from_smem,
+                                                                ring_slot, stream_tiles,
+                                                                tile_kv_range)
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionInputs, AttentionSpec
 
 
@@ -240,7 +240,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     if bs.persistent:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile)
         num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch)
     else:  # one tile per CTA: grid (q tile [x split], head, batch)
-        num_local = 1
+        num_local = None  # one tile (for_each_tile)
         q_axis, split = lax.axis_index("q"), None
         if splits > 1:  # KV splits: CTA (tile, split) visits its part of the tile's key range
             split = lax.rem(q_axis, jnp.int32(splits))
@@ -263,9 +263,6 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
         if splits > 1:
             r = split_part(r, split, splits)
         return q_tile, head, batch, r
-
-    def for_each(run_tile):
-        return for_each_tile(run_tile, num_local if bs.persistent else None)
 
     @pl.when(wg < W)
     def _compute():
@@ -291,8 +288,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
             if not prefetch:
                 load_q(i)
 
-            def slot_of(step):
-                return lax.rem(issued + step - lo, jnp.int32(stages))
+            slot_of = ring_slot(issued, lo, stages)
 
             if sink_ref is not None:
                 plgpu.copy_gmem_to_smem(sink_ref.at[head], sink_smem.at[wg], sink_ready.at[wg])
@@ -523,7 +519,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
 
             return issued + jnp.maximum(hi - lo, 0)
 
-        for_each(run_tile)
+        for_each_tile(run_tile, num_local)
         if prefetch:  # the last tile's stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -531,23 +527,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
 
-        def run_tile(i, issued):
-            q_tile, head, batch, r = tile(i)
-            extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
-            if bias_ref is not None:
-                extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head,
-                                    q_tile * bs.block_q, rows, W, bkv),)
-            stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready),
-                      (k_consumed, v_consumed), batch=batch,
-                      kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=r.lo, hi=r.hi,
-                      bkv=bkv, stages=stages, slot_of=lambda step: lax.rem(
-                          issued + step - r.lo, jnp.int32(stages)),
-                      extra=extra, issued=issued, drain=not bs.persistent)
-            return issued + jnp.maximum(r.hi - r.lo, 0)
-
-        issued = for_each(run_tile)
-        if bs.persistent:  # observe the last slots' releases once, after the last tile
-            drain_ring((k_consumed, v_consumed), issued, stages)
+        stream_tiles(tile, num_local,
+                     kv=((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed)),
+                     tok=(tok_refs, kvtok_smem, kvtok_ready), bias=(bias_ref, bias_smem, bias_ready),
+                     group_size=spec.group_size, block_q=bs.block_q, rows=rows, num_wgs=W, bkv=bkv,
+                     stages=stages)
 
 
 def check(spec: AttentionSpec, bs: BlockSizes) -> None:

@@ -119,12 +119,12 @@ from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_drop
                                                             check_tables, dropout_threshold, pad_to)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_overlapped,
-                                                                    wgmma_iota, zero_acc)
+                                                                    walk_ranges, wgmma_iota, zero_acc)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes, default_for
-from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LOG2E, band_mask, bias_copy,
-                                                                drain_ring, dropout_keep, for_each_tile,
-                                                                persistent_tiles, stream_kv,
-                                                                table_copies, tile_kv_range)
+from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LOG2E, band_mask, dropout_keep,
+                                                                for_each_tile, persistent_tiles,
+                                                                ring_slot, stream_tiles,
+                                                                tile_kv_range)
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 
@@ -182,9 +182,6 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         q_index, head, batch = coords(i)
         q_tile = num_q_tiles - 1 - q_index
         return q_tile, head, batch, tile_kv_range(spec, tok_refs, q_tile, batch, bs.block_q_dq, bkv)
-
-    def slot_in(issued, lo):
-        return lambda step: lax.rem(issued + step - lo, jnp.int32(stages))
 
     def _dq_steps(r, q_tile, head, batch, row0, slot_of, lse, delta, row_hash, q_tokens):
         """One query tile's dQ rows of this warpgroup: its loop over the streamed key tiles."""
@@ -258,15 +255,9 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             own = clamp_within(r, band_kv_range(
                 q_tile * W + wg, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
                 diagonal_offset=spec.diagonal_offset, block_q=rows, block_kv=bkv))
-        dq = zero_acc((rows, spec.qk_dim))
-        if own is not r:
-            dq = lax.fori_loop(r.lo, own.lo, pass_over, dq)
-        dq = lax.fori_loop(own.lo, own.full_lo, functools.partial(kv_step, masked=True), dq)
-        dq = lax.fori_loop(own.full_lo, own.full_hi, functools.partial(kv_step, masked=False), dq)
-        dq = lax.fori_loop(own.full_hi, own.hi, functools.partial(kv_step, masked=True), dq)
-        if own is not r:
-            dq = lax.fori_loop(own.hi, r.hi, pass_over, dq)
-        return dq
+        return walk_ranges(r, own, functools.partial(kv_step, masked=True),
+                           functools.partial(kv_step, masked=False), pass_over,
+                           zero_acc((rows, spec.qk_dim)))
 
     @pl.when(wg < W)
     def _compute():
@@ -293,7 +284,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
 
         def run_tile(i, issued):
             q_tile, head, batch, r = tile(i)
-            slot_of = slot_in(issued, r.lo)
+            slot_of = ring_slot(issued, r.lo, stages)
             row0 = q_tile * bs.block_q_dq + wg * rows
             if not bs.persistent_dq:
                 load_rows(i)
@@ -348,19 +339,11 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
 
-        def run_tile(i, issued):
-            q_tile, head, batch, r = tile(i)
-            extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
-            if bias_ref is not None:
-                extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head,
-                                    q_tile * bs.block_q_dq, rows, W, bkv),)
-            stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed),
-                      batch=batch, kv_head=lax.div(head, jnp.int32(spec.group_size)), lo=r.lo,
-                      hi=r.hi, bkv=bkv, stages=stages, slot_of=slot_in(issued, r.lo), extra=extra,
-                      issued=issued, drain=False)
-            return issued + r.hi - r.lo
-
-        drain_ring((k_consumed, v_consumed), for_each_tile(run_tile, num_local), stages)
+        stream_tiles(tile, num_local,
+                     kv=((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed)),
+                     tok=(tok_refs, kvtok_smem, kvtok_ready), bias=(bias_ref, bias_smem, bias_ready),
+                     group_size=spec.group_size, block_q=bs.block_q_dq, rows=rows, num_wgs=W,
+                     bkv=bkv, stages=stages)
 
 
 # -- the wrapper --------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from flashmesh.attention.pallas_mosaic_gpu_common import clamp_within
 from flashmesh.attention.pallas_mosaic_gpu_inputs import dropout_threshold
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_overlapped,
-                                                                    ring_drain, wgmma_iota, zero_acc)
+                                                                    ring_drain, walk_ranges, wgmma_iota,
+                                                                    zero_acc)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes, band_q_range
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import band_mask, dropout_keep
 from flashmesh.attention.spec import AttentionSpec
@@ -266,16 +267,9 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 diagonal_offset=spec.diagonal_offset, block_q=bq, block_kv=rows))
 
         def head(g, carry):  # the group's query heads share the band, so one range serves all
-            masked_step = functools.partial(q_step, g=g, masked=True)
-            full_step = functools.partial(q_step, g=g, masked=False)
-            if own is not r:
-                carry = lax.fori_loop(r.lo, own.lo, functools.partial(pass_over, g=g), carry)
-            carry = lax.fori_loop(own.lo, own.full_lo, masked_step, carry)
-            carry = lax.fori_loop(own.full_lo, own.full_hi, full_step, carry)
-            carry = lax.fori_loop(own.full_hi, own.hi, masked_step, carry)
-            if own is not r:
-                carry = lax.fori_loop(own.hi, r.hi, functools.partial(pass_over, g=g), carry)
-            return carry
+            return walk_ranges(r, own, functools.partial(q_step, g=g, masked=True),
+                               functools.partial(q_step, g=g, masked=False),
+                               functools.partial(pass_over, g=g), carry)
 
         zeros = ((() if part == "dv" else (zero_acc((rows, spec.qk_dim)),))
                  + (() if part == "dk" else (zero_acc((rows, spec.v_dim)),)))

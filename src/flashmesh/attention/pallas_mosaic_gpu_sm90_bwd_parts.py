@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
 
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import LOG2E
 from flashmesh.attention.spec import AttentionSpec
@@ -73,6 +74,20 @@ def mma_from_smem(accs, lhs, rhs, staging):
 
     products = pl.run_scoped(mma, *(plgpu.ACC(acc.shape, jnp.float32) for acc in accs))
     return tuple(acc + prod for acc, prod in zip(accs, products))
+
+
+def walk_ranges(r, own, masked_step, full_step, pass_over, carry):
+    """A warpgroup's walk over its CTA's streamed tiles [r.lo, r.hi): masked and full steps
+    over its own range `own` (wg_ranges: `clamp_within` of its rows' range; else r itself) and
+    pass_over for the tiles outside it. Each callable is (tile index, carry) -> carry."""
+    if own is not r:
+        carry = lax.fori_loop(r.lo, own.lo, pass_over, carry)
+    carry = lax.fori_loop(own.lo, own.full_lo, masked_step, carry)
+    carry = lax.fori_loop(own.full_lo, own.full_hi, full_step, carry)
+    carry = lax.fori_loop(own.full_hi, own.hi, masked_step, carry)
+    if own is not r:
+        carry = lax.fori_loop(own.hi, r.hi, pass_over, carry)
+    return carry
 
 
 def zero_acc(shape):

@@ -111,6 +111,39 @@ def for_each_tile(run_tile, num_local):
     return lax.fori_loop(jnp.int32(0), num_local, run_tile, jnp.int32(0))
 
 
+def ring_slot(issued, lo, stages: int):
+    """slot_of(step) of a K/V ring that streamed `issued` key tiles before this tile's
+    lo .. hi - 1 (a persistent kernel's ring runs on across tiles)."""
+    return lambda step: lax.rem(issued + step - lo, jnp.int32(stages))
+
+
+def stream_tiles(tile, num_local, *, kv, tok, bias, group_size: int, block_q: int, rows: int,
+                 num_wgs: int, bkv: int, stages: int):
+    """The memory warpgroup of a query-stationary kernel (forward, dQ): over the CTA's tiles
+    (`for_each_tile`; tile(i) -> (query tile, head, batch, key-tile ranges)) stream each
+    tile's key tiles, with their segment tables and bias, through the one K/V ring
+    (`stream_kv`), then observe the last slots' releases once (`drain_ring`).
+    kv: ((k_ref, v_ref), smems, ready, consumed) pairs; tok: (tok_refs, kvtok_smem,
+    kvtok_ready); bias: (bias_ref or None, bias_smem, bias_ready)."""
+    refs, smems, ready, consumed = kv
+    tok_refs, kvtok_smem, kvtok_ready = tok
+    bias_ref, bias_smem, bias_ready = bias
+
+    def run_tile(i, issued):
+        q_tile, head, batch, r = tile(i)
+        extra = table_copies(tok_refs, kvtok_smem, kvtok_ready, batch, bkv)
+        if bias_ref is not None:
+            extra += (bias_copy(bias_ref, bias_smem, bias_ready, batch, head, q_tile * block_q,
+                                rows, num_wgs, bkv),)
+        stream_kv(refs, smems, ready, consumed, batch=batch,
+                  kv_head=lax.div(head, jnp.int32(group_size)), lo=r.lo, hi=r.hi, bkv=bkv,
+                  stages=stages, slot_of=ring_slot(issued, r.lo, stages), extra=extra,
+                  issued=issued, drain=False)
+        return issued + jnp.maximum(r.hi - r.lo, 0)
+
+    drain_ring(consumed, for_each_tile(run_tile, num_local), stages)
+
+
 def table_copies(tok_refs, smems, ready, batch, block: int) -> tuple:
     """`stream_kv` extras for the streamed side's token tables (segments): tile `step` of each
     table [B, L] into its ring slot."""
