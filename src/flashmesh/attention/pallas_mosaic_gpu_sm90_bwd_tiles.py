@@ -91,7 +91,7 @@ class BackwardBlockSizes:
       its work. Not with fused_dq (no dQ kernel). Off by default: on the H200 (2026-12-05) it
       pays on the window anchor (above) and cost under a causal mask (the guide layer's
       attention 1.165 ms against 0.956) in the (batch, head)-major order, where a CTA's
-      stride met only some query tile indices (18% more work than the mean for some CTAs);
+      stride met only some query tile indices (counted: some CTAs 18% more key tiles than the mean);
       the query-tile-major order for such calls is untimed.
     delta_in_dq: the dQ kernel runs first and computes delta = rowsum(O o dO) itself from O's
       rows (one more [block_q_dq, Dv] tile of shared memory), writing it for the dK/dV kernel,
