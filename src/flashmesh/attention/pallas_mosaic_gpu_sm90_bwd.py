@@ -77,8 +77,8 @@ pallas_mosaic_gpu_sm90_bwd_parts; tiles, their register and shared-memory counts
 in pallas_mosaic_gpu_sm90_bwd_tiles; argument checks in pallas_mosaic_gpu_inputs; the K/V ring,
 band mask and dropout round shared with the forward in pallas_mosaic_gpu_sm90_parts.
 
-`BackwardBlockSizes.wg_ranges` (the narrow-window table entry's, with `persistent_dq`): each compute warpgroup
-computes only the streamed tiles its own rows meet (`clamp_within` of its own band range inside
+`BackwardBlockSizes.wg_ranges` (the narrow-window table entry's, with `persistent_dq`): each
+compute warpgroup computes only the streamed tiles its own rows meet (`clamp_within` of its own band range inside
 the CTA's) and passes over the rest (waits for the tile, releases it); under a window (128, 0)
 that is a quarter of each kernel's warpgroup-steps.
 

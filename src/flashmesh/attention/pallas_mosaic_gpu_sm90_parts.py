@@ -71,7 +71,8 @@ def persistent_tiles(num_q_tiles: int, num_heads: int, batch: int, *, q_major: b
     q_major is for tiles of unequal work (causal: the query tile index sets it): each CTA's
     stride then visits every query tile index about equally often, where in the (batch, head)-
     major order a CTA's indices repeat with the stride's residue modulo the tile count (the
-    guide layer's dQ, 16 tiles a head on 132 SMs: counted, some CTAs got 18% more key tiles than the mean)."""
+    guide layer's dQ, 16 tiles a head on 132 SMs: counted, some CTAs got 18% more key tiles
+    than the mean)."""
     cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
     total = num_q_tiles * num_heads * batch
     num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
