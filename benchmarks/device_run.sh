@@ -73,13 +73,17 @@ for step in "$@"; do
       args="${step#probe_fp8}"; args="${args#:}"
       timeout "$limit" python3 benchmarks/probe_fp8_transpose.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_fp8.log" ;;
     ncu:*)  # probe_mosaic under Nsight Compute (hardware counters; the clocks left alone), e.g.
-      # ncu:--bwd,causal_8k_h32_d128: NCU_ARGS picks the kernels and sections (default: the 2
-      # Mosaic kernel launches after 40, speed of light, warp states, schedulers, memory)
+      # ncu:--bwd-cfg=fused_dq+dq_columns,causal_8k_h32_d128 (one config: the forward's launch,
+      # two untimed calls, then the timed ones): NCU_ARGS picks the kernels and sections
+      # (default: the 2 Mosaic kernel launches after 7, i.e. one timed call of a two-kernel
+      # backward or two of a fused one; speed of light, compute and memory workloads, warp
+      # states with their sampled source lines, schedulers, launch, occupancy)
       args="${step#ncu:}"
       timeout "$limit" ncu --clock-control none --target-processes all ${NCU_ARGS:---kernel-name regex:mosaic \
-        --launch-skip 40 --launch-count 2 --section SpeedOfLight --section WarpStateStats \
-        --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats \
-        --section Occupancy} python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/ncu.log" | tail -80 ;;
+        --launch-skip 7 --launch-count 2 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section SourceCounters --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy} \
+        python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/ncu.log" | tail -60 ;;
     probe_mosaic|probe_mosaic:*)  # e.g. probe_mosaic:--bwd,causal_8k_h32_d128 (commas: spaces)
       args="${step#probe_mosaic}"; args="${args#:}"
       timeout "$limit" python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_mosaic.log" ;;

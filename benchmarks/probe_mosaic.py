@@ -13,7 +13,11 @@ the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-gri
 over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (each config with
 BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-ranges`:
 BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
-BWD_DELTA (delta_in_dq) the same way. Each alternated mode also lists each config's kernels."""
+BWD_DELTA (delta_in_dq) the same way. Each alternated mode also lists each config's kernels.
+`--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
+name meaning True), on top of today's config, so that a profiler's launch count finds it (the
+`ncu` step of device_run.sh: the forward's launch, then two calls of the backward before the 20
+timed ones)."""
 import dataclasses
 import itertools
 import sys
@@ -141,6 +145,15 @@ BWD_DELTA = [dict(), dict(delta_in_dq=True)]
 ALTERNATED = {"--bwd-overlap": BWD_OVERLAP, "--bwd-wg-ranges": BWD_WG_RANGES, "--bwd-delta": BWD_DELTA}
 
 
+def named_config(arg: str) -> dict:
+    """`--bwd-cfg=a+b=2`: {"a": True, "b": 2}."""
+    cfg = {}
+    for item in arg.split("=", 1)[1].split("+"):
+        name, _, value = item.partition("=")
+        cfg[name] = int(value) if value else True
+    return cfg
+
+
 def bwd_grid(spec):
     """`--bwd-grid`: default_for's config, then every valid one of a small grid (the fused
     kernel has no dQ kernel, so its block_q_dq / block_kv_dq are not varied; each fused config
@@ -184,6 +197,7 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
         implementation="cudnn").astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
     print(f"  bwd cudnn (fwd+bwd - fwd): {back_to_back(cudnn, q, k, v) - t_cudnn_fwd:.3f} ms", flush=True)
     modes = [ALTERNATED[a] for a in sys.argv if a in ALTERNATED]
+    modes += [[named_config(a)] for a in sys.argv if a.startswith("--bwd-cfg=")]
     first, alternated = None, bool(modes)
     configs = bwd_grid(spec) if "--bwd-grid" in sys.argv else modes[0] if modes else BWD_CONFIGS
     timed = {}
@@ -215,7 +229,9 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
     for label, ts in rounds.items():
         print(f"  bwd mosaic {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
               f"max rel err vs default {timed[label][1]:.1e}", flush=True)
-    if alternated:  # where each config's device time goes, kernel by kernel
+    named = any(a.startswith("--bwd-cfg=") for a in sys.argv)
+    if alternated and not named:  # where each config's device time goes, kernel by kernel
+        # (not with --bwd-cfg, which a profiler may be holding: the CUPTI trace would compete)
         from flashmesh.bench.kernel_time import kernels_ms
 
         for label, (f, _) in timed.items():
@@ -248,7 +264,8 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
-        if {"--bwd", "--bwd-grid", *ALTERNATED} & set(sys.argv):
+        if {"--bwd", "--bwd-grid", *ALTERNATED} & set(sys.argv) or any(
+                a.startswith("--bwd-cfg=") for a in sys.argv):
             backward_alone(name, q, k, v, window, t_ref)
             continue
         if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's
