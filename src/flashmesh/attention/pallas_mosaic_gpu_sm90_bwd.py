@@ -428,7 +428,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
             plgpu.SMEM((stages, bq), jnp.uint32) if dropout else None,
             smem_tile((stages, W, rows, bq), dtype) if bias_t is not None else None,
             smem_tile(((2,) if bs.dq_columns else ()) + (W, rows, bq), dtype) if bs.fused_dq else None,
-            plgpu.SMEM((W, bq, bs.dq_width(spec)), jnp.float32) if bs.fused_dq else None]
+            smem_tile((W, bq, bs.dq_width(spec)), jnp.float32) if bs.fused_dq else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bq), jnp.int32)] * n_tok
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
     barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
