@@ -45,7 +45,10 @@ class BackwardBlockSizes:
       step and adds each warpgroup's float32 partial into a dQ accumulator by TMA reduce-add;
       no dQ kernel (whose S and dP are the two GEMMs saved). Not with split_dkv nor a bias (its
       gradient comes from the dQ kernel's dS). The reductions' order varies from run to run,
-      so dQ is not bit-reproducible; the default (False) is deterministic.
+      so dQ is not bit-reproducible; the default (False) is deterministic. The partial dQ
+      leaves through a tiled, 128-byte swizzled SMEM buffer (2026-12-05; row-major before,
+      which put each warp's stores on 8 banks): the fused timings quoted below are the
+      row-major buffer's.
     stagger_q: with fused_dq, each key tile whose query tiles are all full (no mask) visits
       them from its own starting tile onward and wraps around, so that the key tiles of one
       head do not reduce-add into the same dQ rows at once (full attention: every key tile
