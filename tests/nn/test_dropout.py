@@ -100,7 +100,7 @@ def test_inside_shard_map_the_indices_are_the_shards_own():
         def body(x):
             k = jax.random.fold_in(key, jax.lax.axis_index("d")) if per_shard_key else key
             return dropout(x, 0.5, k)
-        return np.asarray(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(x)) != 0
+        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)) != 0
 
     same, folded = run(False).reshape(8, 8, 32), run(True).reshape(8, 8, 32)
     local = np.asarray(dropout(x[:8], 0.5, key)) != 0
