@@ -154,6 +154,9 @@ def named_config(arg: str) -> dict:
     return cfg
 
 
+NAMED = [named_config(a) for a in sys.argv if a.startswith("--bwd-cfg=")]  # --bwd-cfg's configs
+
+
 def bwd_grid(spec):
     """`--bwd-grid`: default_for's config, then every valid one of a small grid (the fused
     kernel has no dQ kernel, so its block_q_dq / block_kv_dq are not varied; each fused config
@@ -197,7 +200,7 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
         implementation="cudnn").astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
     print(f"  bwd cudnn (fwd+bwd - fwd): {back_to_back(cudnn, q, k, v) - t_cudnn_fwd:.3f} ms", flush=True)
     modes = [ALTERNATED[a] for a in sys.argv if a in ALTERNATED]
-    modes += [[named_config(a)] for a in sys.argv if a.startswith("--bwd-cfg=")]
+    modes += [[cfg] for cfg in NAMED]
     first, alternated = None, bool(modes)
     configs = bwd_grid(spec) if "--bwd-grid" in sys.argv else modes[0] if modes else BWD_CONFIGS
     timed = {}
@@ -229,8 +232,7 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
     for label, ts in rounds.items():
         print(f"  bwd mosaic {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
               f"max rel err vs default {timed[label][1]:.1e}", flush=True)
-    named = any(a.startswith("--bwd-cfg=") for a in sys.argv)
-    if alternated and not named:  # where each config's device time goes, kernel by kernel
+    if alternated and not NAMED:  # where each config's device time goes, kernel by kernel
         # (not with --bwd-cfg, which a profiler may be holding: the CUPTI trace would compete)
         from flashmesh.bench.kernel_time import kernels_ms
 
@@ -264,8 +266,7 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
-        if {"--bwd", "--bwd-grid", *ALTERNATED} & set(sys.argv) or any(
-                a.startswith("--bwd-cfg=") for a in sys.argv):
+        if {"--bwd", "--bwd-grid", *ALTERNATED} & set(sys.argv) or NAMED:
             backward_alone(name, q, k, v, window, t_ref)
             continue
         if "--fwdbwd" in sys.argv:  # the registered implementation's fwd+bwd against cuDNN's
