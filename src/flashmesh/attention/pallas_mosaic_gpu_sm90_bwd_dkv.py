@@ -110,7 +110,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 plgpu.barrier_wait(barrier.at[slot])
             q_tile_s, do_tile = q_smem.at[slot], do_smem.at[slot]
 
-            def probabilities(st):  # Sᵀ -> (Pᵀ, the Pᵀ of dV, dropout's keep or None, cap slope)
+            def probabilities(st):  # Sᵀ -> (Pᵀ, the Pᵀ of dV, cap slope); under dropout Pᵀ is signed
                 bias = None if bias_ref is None else bias_smem.at[slot, wg][...].astype(jnp.float32)
                 st2, dcap = logits2(st, spec, bias)
                 if masked and tok_refs:  # rows are keys, columns queries
@@ -123,17 +123,23 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 lse = plgpu.load(lse_smem.at[slot], layout=COL)
                 pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                 if not dropout:  # the P of dV: the kept elements (1 / (1 - r) at the end)
-                    return pt, pt, None, dcap
+                    return pt, pt, dcap
                 # keys are rows here: the queries' hashes run along the columns
                 keep = dropout_keep(plgpu.load(hash_smem.at[slot], layout=COL), key0, pt.shape,
                                     0, dropout_threshold(spec.dropout_rate))
-                return pt, jnp.where(keep, pt, 0.0), keep, dcap
+                # FA2's sign trick: a dropped element's P is held negated, so no mask lives
+                # through the step (bools cost registers beside dK, dV, Pᵀ and dPᵀ): the Pᵀ of
+                # dV is max(ps, 0) and `score_grads` reads keep back from the sign.
+                ps = jnp.where(keep, pt, -pt)
+                return ps, jnp.maximum(ps, 0.0), dcap
 
-            def score_grads(pt, dpt, keep, dcap):  # dSᵀ in the inputs' dtype
-                if keep is not None:
-                    dpt = jnp.where(keep, dpt, 0.0)
-                delta = plgpu.load(delta_smem.at[slot], layout=COL)
-                dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
+            def score_grads(pt, dpt, dcap):  # dSᵀ in the inputs' dtype
+                delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), pt.shape,
+                                             [1])
+                if dropout:  # pt is ps: kept P (dPᵀ - delta); dropped P (0 - delta) = ps delta;
+                    dst = pt * jnp.where(pt > 0.0, dpt - delta, delta)  # P = 0 gives 0 either way
+                else:
+                    dst = pt * (dpt - delta)
                 if dcap is not None:
                     dst = dst * dcap
                     if masked:  # a masked pair's cap slope may be NaN (its bias: padding)
@@ -152,16 +158,16 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     plgpu.wgmma(acc, k_smem.at[wg], q_tile_s.transpose((1, 0)))
                     return acc[...]
 
-                (pt, pt_v, keep, dcap), dpt = probabilities(
+                (pt, pt_v, dcap), dpt = probabilities(
                     pl.run_scoped(qk, plgpu.ACC((rows, bq), jnp.float32))), None
             else:
-                (pt, pt_v, keep, dcap), dpt = products_overlapped(
+                (pt, pt_v, dcap), dpt = products_overlapped(
                     k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
                     do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
                     bs.overlap)
             lhs, rhs = [], []
             if part != "dv":
-                lhs, rhs = [score_grads(pt, dpt, keep, dcap)], [q_tile_s]
+                lhs, rhs = [score_grads(pt, dpt, dcap)], [q_tile_s]
             if part != "dk":
                 lhs, rhs = lhs + [pt_v.astype(dtype)], rhs + [do_tile]
             used = None if staging is None else staging[:len(lhs)]
@@ -189,12 +195,12 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             def body(refs):
                 dk_ref, dv_ref = refs[:2]
 
-                (pt, pt_v, keep, dcap), dpt = products_overlapped(
+                (pt, pt_v, dcap), dpt = products_overlapped(
                     k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
                     do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
                     bs.overlap)
                 plgpu.wgmma(dv_ref, pt_v.astype(dtype), do_tile)
-                dst = score_grads(pt, dpt, keep, dcap)
+                dst = score_grads(pt, dpt, dcap)
                 if fused:  # dSᵀ to SMEM before dK's GEMM is issued (dQ's reads it there)
                     _ds_to_smem(dst, step)
                 plgpu.wgmma(dk_ref, dst, q_tile_s)
