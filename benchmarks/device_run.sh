@@ -11,6 +11,10 @@
 #   FLASHMESH_COMMIT=<hash> so the reports name the right one, the hash written out in the
 #   command: the command runs on the device, where $(git rev-parse HEAD) gives the stale HEAD
 #   (2026-12-01: two reports named the previous commit and were corrected by hand).
+#   base:<step> runs a step on a baseline tree, for an A/B of a change in one call: make it
+#   with `mkdir -p .ab/base && git archive <rev> src | tar -x -C .ab/base` and carry ".ab"
+#   (ignored: add /.ab/ to .git/info/exclude), e.g. "base:probe_mosaic:--fwdbwd,..."
+#   "probe_mosaic:--fwdbwd,..." "base:probe_mosaic:..." "probe_mosaic:...".
 #   tune: `flashmesh tune` (TUNE_ARGS for options, e.g. "--backward --max-candidates 8"); the updated config table comes back as
 #   $OUT/pallas_mosaic_gpu_configs.json.
 #   Results are written straight under $OUT/benchmarks/results (as each row is measured), so a
@@ -35,10 +39,18 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 
+SRC_PATH="$PYTHONPATH"
 for step in "$@"; do
   limit="${step#*=}"; [ "$limit" = "$step" ] && limit=540
   step="${step%%=*}"
-  echo "=== $step (limit ${limit}s) $(date -u +%T)"
+  # base:<step>: the step on the baseline tree .ab/base/src instead of src/ (an A/B of a code
+  # change in one call; header lines in the probe logs tell the two apart)
+  export PYTHONPATH="$SRC_PATH"; tree=src
+  if [ "${step#base:}" != "$step" ]; then
+    step="${step#base:}"; tree=.ab/base/src
+    export PYTHONPATH="$PWD/.ab/base/src${SRC_PATH#"$PWD/src"}"
+  fi
+  echo "=== $step on $tree (limit ${limit}s) $(date -u +%T)"
   case "$step" in
     tests|tests:*)
       # 4 workers share the GPU (compilation is the slow part); each takes a fifth of its memory.
@@ -85,7 +97,7 @@ for step in "$@"; do
         --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy} \
         python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/ncu.log" | tail -60 ;;
     probe_mosaic|probe_mosaic:*)  # e.g. probe_mosaic:--bwd,causal_8k_h32_d128 (commas: spaces)
-      args="${step#probe_mosaic}"; args="${args#:}"
+      args="${step#probe_mosaic}"; args="${args#:}"; echo "=== $step on $tree" >> "$OUT/probe_mosaic.log"
       timeout "$limit" python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_mosaic.log" ;;
     example)
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
