@@ -88,11 +88,11 @@ dPᵀ runs, dV += Pᵀ dO issued before dSᵀ is computed, then dK's (and the fu
 awaited once per step; the dQ kernel computes P while dP runs. The arithmetic is unchanged.
 
 Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte rows), above
-256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's GEMMs with the next
-step's, ping-pong between
-warpgroups, a persistent LPT grid, OOB-filled TMA instead of padded copies,
-`unsafe_no_auto_barriers`; at d128 the fused kernel is slower than the two (3.28 against 2.95
-ms causal 8k, 4.81 against 3.02 full 4k on the H200, `benchmarks/probe_mosaic.py --bwd-grid`).
+256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's
+GEMMs with the next step's, ping-pong between warpgroups, a persistent LPT grid, OOB-filled TMA
+instead of padded copies; at d128 the fused kernel was slower than the two (3.28 against 2.95
+ms causal 8k, 4.81 against 3.02 full 4k on the H200, `benchmarks/probe_mosaic.py --bwd-grid`,
+before its partial-dQ buffer was swizzled and the automatic barriers went).
 
 Example (sm90 = flashmesh.attention.pallas_mosaic_gpu_sm90, q/k/v/do as sm90.forward's):
     >>> spec = sm90.spec_for(q, k, v, scale=0.125, window=(-1, 0))
@@ -114,7 +114,7 @@ from jax import lax
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (band_kv_range, check_spec, clamp_within,
                                                             smem_tile)
-from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_dkv import kernel_dkv
+from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_dkv import kernel_dkv, step_copies
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, dropout_threshold, pad_to)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
@@ -333,7 +333,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             return issued + r.hi - r.lo
 
         for_each_tile(run_tile, num_local)
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM read out; the writes land anyway
 
     @pl.when(wg == W)
     def _memory():
@@ -399,7 +399,14 @@ def _launch(kernel, inputs, out_type, smem, barriers, grid, grid_names, bs, inte
     return plgpu.kernel(
         entry, out_type=out_type, grid=grid, grid_names=grid_names,
         num_threads=bs.num_compute_wgs + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # No automatic barriers (a bar.sync around every SMEM store and before every TMA
+        # issue): the kernels order their own SMEM accesses. Threads write only buffers that
+        # WGMMA or TMA read (dSᵀ, partial dQ, dbias, delta, the dQ / dK / dV epilogues), each
+        # behind commit_smem (a fence and a warpgroup barrier), after wait_smem_to_gmem (also a
+        # barrier) where the last store may still be reading; threads read only TMA-written
+        # buffers, released by an arrive of every thread (release semantics) or, before a
+        # persistent tile's loads, by commit_smem. The forward does the same.
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         interpret=_interpret_params(interpret),
     )(*present)
 
@@ -430,14 +437,13 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
             smem_tile(((2,) if bs.dq_columns else ()) + (W, rows, bq), dtype) if bs.fused_dq else None,
             smem_tile((W, bq, bs.dq_width(spec)), jnp.float32) if bs.fused_dq else None]
     smem += [plgpu.SMEM((W, rows), jnp.int32)] * n_tok + [plgpu.SMEM((stages, bq), jnp.int32)] * n_tok
-    barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W)]
-    barriers += [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
-    barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
-    barriers += [plgpu.Barrier(num_barriers=stages) if dropout else None]
-    barriers += [plgpu.Barrier(num_arrivals=W, num_barriers=stages) if bias_t is not None else None]
+    copies = step_copies(spec, bs, dropout=dropout, bias=bias_t is not None)
+    barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W),
+                plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
     barriers += ([plgpu.Barrier(num_arrivals=W, num_barriers=2), plgpu.Barrier(num_arrivals=W)]
                  if bs.dq_columns else [None, None])
-    barriers += [plgpu.Barrier(num_barriers=W)] * n_tok + [plgpu.Barrier(num_barriers=stages)] * n_tok
+    barriers += [plgpu.Barrier(num_barriers=W)] * n_tok
     dq_acc = None
     if bs.fused_dq:  # float32, zeroed, updated in place (a jax.Ref the kernel adds into)
         slices = (grid[0] * W,) if interpret else ()

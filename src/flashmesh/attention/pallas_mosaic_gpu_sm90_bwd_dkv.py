@@ -23,6 +23,13 @@ from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import band_mask, dropout_
 from flashmesh.attention.spec import AttentionSpec
 
 
+def step_copies(spec: AttentionSpec, bs: BackwardBlockSizes, *, dropout: bool, bias: bool) -> int:
+    """The TMA copies of one streamed step of the dK/dV kernel, all arriving on its one
+    step_ready barrier: Q, lse, dO, delta, the dropout row hashes, a bias tile per warpgroup, a
+    q table per segment table (one wait per step where there were up to seven)."""
+    return 4 + dropout + (bs.num_compute_wgs if bias else 0) + tokens.per_side(spec)
+
+
 def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, dq_ref, tok_refs,
                 dk_ref, dv_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
                 interpret: bool, part: str = "both"):
@@ -42,17 +49,17 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     # transposed), dq_smem [W, bq, Dqk] float32 (the warpgroup's partial dQ on its way out);
     # bs.dq_columns: ds_smem [2, W, rows, bq] (by step parity), dq_smem [W, bq, Dqk / W], and
     # the barriers ds_ready [2] (both warpgroups' dSᵀ are in SMEM), dq_done (both have left
-    # the loop: K's SMEM, which the other warpgroup's dQ GEMMs read, may take dK); else None
+    # the loop: K's SMEM, which the other warpgroup's dQ GEMMs read, may take dK); else None.
+    # Barriers: k_ready, v_ready [W], step_ready [stages] (every copy of a streamed step arrives
+    # on it: Q, lse, dO, delta, hashes, the bias tiles, the q tables; `step_copies`), consumed
+    # [stages], ds_ready, dq_done, then kvtok_ready [W] per kv table.
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem,
      bias_smem, ds_smem, dq_smem) = smem[:12]
-    (k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, hash_ready,
-     bias_ready, ds_ready, dq_done) = barriers[:11]
+    (k_ready, v_ready, step_ready, consumed, ds_ready, dq_done) = barriers[:6]
     n_tok = len(smem[12:]) // 2
     kvtok_smem, qtok_smem = smem[12:12 + n_tok], smem[12 + n_tok:]
-    kvtok_ready, qtok_ready = barriers[11:11 + n_tok], barriers[11 + n_tok:]
+    kvtok_ready = barriers[6:]
     dropout = hash_ref is not None
-    stats_ready = ((q_ready, do_ready, lse_ready, delta_ready) + ((hash_ready,) if dropout else ())
-                   + ((bias_ready,) if bias_ref is not None else ()) + tuple(qtok_ready))
     W, stages, bq, G = bs.num_compute_wgs, bs.num_stages, bs.block_q, spec.group_size
     rows = bs.block_kv // W
     dtype = jnp.dtype(spec.dtype)
@@ -106,8 +113,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             step = g * count + q_tile - r.lo  # this warpgroup's step count so far
             slot = slot_of(step)
             q_tile = visit(q_tile)
-            for barrier in stats_ready:
-                plgpu.barrier_wait(barrier.at[slot])
+            plgpu.barrier_wait(step_ready.at[slot])
             q_tile_s, do_tile = q_smem.at[slot], do_smem.at[slot]
 
             def probabilities(st):  # Sᵀ -> (Pᵀ, the Pᵀ of dV, cap slope); under dropout Pᵀ is signed
@@ -261,8 +267,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             # a streamed tile outside this warpgroup's own range (wg_ranges): observe its
             # phase and release it, computing nothing
             slot = slot_of(g * count + q_tile - r.lo)
-            for barrier in stats_ready:
-                plgpu.barrier_wait(barrier.at[slot])
+            plgpu.barrier_wait(step_ready.at[slot])
             plgpu.barrier_arrive(consumed.at[slot])
             return carry
 
@@ -296,7 +301,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[kv_rows])
         if part != "dk":
             plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_rows])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM read out; the writes land anyway
 
     @pl.when(wg == W)
     def _memory():
@@ -315,15 +320,15 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
-            plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[slot], q_ready.at[slot])
-            plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_ready.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_ready.at[slot])
+            ready = step_ready.at[slot]  # one barrier, every copy of the step (`step_copies`)
+            plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[slot], ready)
+            plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], ready)
+            plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], ready)
+            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], ready)
             if dropout:
-                plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[slot], hash_ready.at[slot])
-            for ref, buf, ready in zip(tok_refs[1] if tok_refs else (), qtok_smem, qtok_ready):
-                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(q_tile * bq, bq)], buf.at[slot],
-                                        ready.at[slot])
+                plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[slot], ready)
+            for ref, buf in zip(tok_refs[1] if tok_refs else (), qtok_smem):
+                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(q_tile * bq, bq)], buf.at[slot], ready)
             if bias_ref is not None:  # each warpgroup's keys x the query tile, transposed
                 b = batch if bias_ref.shape[0] > 1 else 0
                 n = head if bias_ref.shape[1] > 1 else 0
@@ -331,6 +336,6 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     plgpu.copy_gmem_to_smem(
                         bias_ref.at[b, n, pl.ds(kv_tile * bs.block_kv + w * rows, rows),
                                     pl.ds(q_tile * bq, bq)],
-                        bias_smem.at[slot, w], bias_ready.at[slot])
+                        bias_smem.at[slot, w], ready)
 
         ring_drain((consumed,), slot_of, G * count, stages)
