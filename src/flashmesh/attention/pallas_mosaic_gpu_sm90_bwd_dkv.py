@@ -153,11 +153,9 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 return dst.astype(dtype)
 
             if bs.overlap and not interpret and part == "both":
-                carry, part_dq = pipelined(carry, q_tile_s, do_tile, probabilities, score_grads,
-                                           step)
+                carry = pipelined(carry, q_tile_s, do_tile, probabilities, score_grads, step,
+                                  q_tile, kv_head * G + g)
                 plgpu.barrier_arrive(consumed.at[slot])
-                if dq_ref is not None:
-                    _dq_store(part_dq, q_tile, kv_head * G + g)
                 return carry
             if part == "dv":
                 def qk(acc):
@@ -188,18 +186,17 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 _dq_store(part_dq, q_tile, kv_head * G + g)
             return carry
 
-        def pipelined(carry, q_tile_s, do_tile, probabilities, score_grads, step):
+        def pipelined(carry, q_tile_s, do_tile, probabilities, score_grads, step, q_tile, head):
             """One step on a GPU with its GEMMs overlapping its arithmetic (FA3's order): Sᵀ
             and dPᵀ issued together, Pᵀ computed once Sᵀ is in (`wait_n=1`) while dPᵀ runs;
             dV += Pᵀ dO issued before dSᵀ is computed, so it runs under that arithmetic; then
-            dK += dSᵀ Q and, fused, dQ's GEMM, all awaited once at the end. Returns the carry
-            (dK, dV) and the step's partial dQ (None unless fused)."""
+            (fused) dSᵀ to SMEM and dQ's GEMM issued before dK += dSᵀ Q, so that the partial dQ
+            leaves (`_dq_store`, its SMEM store and TMA reduce-add) while dK's GEMM runs
+            (FA3's mainloop); all awaited once per step. Returns the carry (dK, dV)."""
             fused = dq_ref is not None
-            accs = tuple(plgpu.ACC.init(x) for x in carry)
-            state = accs + ((zero_acc((bq, dq_width)),) if fused else ())  # then a plain ref
 
             def body(refs):
-                dk_ref, dv_ref = refs[:2]
+                dk_ref, dv_ref = refs
 
                 (pt, pt_v, dcap), dpt = products_overlapped(
                     k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
@@ -207,18 +204,20 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     bs.overlap)
                 plgpu.wgmma(dv_ref, pt_v.astype(dtype), do_tile)
                 dst = score_grads(pt, dpt, dcap)
-                if fused:  # dSᵀ to SMEM before dK's GEMM is issued (dQ's reads it there)
-                    _ds_to_smem(dst, step)
-                plgpu.wgmma(dk_ref, dst, q_tile_s)
-                if fused:  # its accumulator allocated here, not held through the step
-                    def dq_mma(acc):
-                        _dq_gemm(acc, None, step)
-                        return acc[...]
+                if not fused:
+                    plgpu.wgmma(dk_ref, dst, q_tile_s)
+                    return
+                _ds_to_smem(dst, step)  # dQ's GEMM reads dSᵀ there
 
-                    refs[2][...] = pl.run_scoped(dq_mma, plgpu.ACC((bq, dq_width), jnp.float32))
+                def dq_then_dk(acc):  # the dQ accumulator lives only in this scope
+                    _dq_gemm(acc, None, step)
+                    plgpu.wgmma(dk_ref, dst, q_tile_s)
+                    # WGMMA groups complete in order: dV's and dQ's are in, dK's still runs
+                    _dq_store(plgpu.wgmma_accumulator_load(acc, wait_n=1), q_tile, head)
 
-            out = pl.run_state(body)(state)
-            return out[:2], (out[2] if fused else None)
+                pl.run_scoped(dq_then_dk, plgpu.ACC((bq, dq_width), jnp.float32))
+
+            return pl.run_state(body)(tuple(plgpu.ACC.init(x) for x in carry))
 
         def _ds_to_smem(ds16, step):
             """dSᵀ into this warpgroup's SMEM buffer (by step parity with dq_columns, which
