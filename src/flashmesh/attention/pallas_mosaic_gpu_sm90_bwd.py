@@ -21,14 +21,19 @@ of its hash.
 Two forms; `default_for` picks by the tile table's backward_entries (the fused one for head
 dim 64 self-attention, as measured; never under spec.reproducible). Two kernels, deterministic
 (no atomics), as tokamax's sm90 VJP and jax's attention_mgpu:
-* dK/dV (KV-stationary, FA2/FA3): grid (key tile, kv head, batch); each of W compute
+Grids are head-major (kv head or query head, then tiles, then batch; the CUDA launch runs the
+last named axis fastest): the CTAs on the chip at once are a few heads' tiles, whose streamed
+Q / dO (dK/dV kernel), K / V (dQ kernel) and fused dQ reduce-adds stay in L2 (FA3 groups by
+head the same way), where a (tiles, heads, batch) grid ran a few tiles of every head at once
+(causal 8k, 32 heads: 128 MB of each head's rows against a 50 MB L2).
+* dK/dV (KV-stationary, FA2/FA3): grid (kv head, key tile, batch); each of W compute
   warpgroups owns block_kv / W keys and keeps dK, dV in registers; the memory warpgroup streams
   (Q, dO, lse, delta) tiles of block_q rows by TMA into a ring of num_stages SMEM slots, over the
   G query heads of the group and, for each, only the query tiles of the key tile's band
   (`band_q_range`). Per step, transposed so that Pᵀ and dSᵀ are WGMMA's register A operand:
   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ log2e - lse log2e),
   dSᵀ = Pᵀ (dPᵀ - delta), then dV += Pᵀ dO and dK += dSᵀ Q (issued together).
-* dQ (Q-stationary): grid (query tile, query head, batch), query tiles last to first (the
+* dQ (Q-stationary): grid (query head, query tile, batch), query tiles last to first (the
   longest causal ones first); each compute warpgroup owns
   block_q_dq / W query rows; the memory warpgroup streams K and V tiles of block_kv_dq keys over
   `band_kv_range`. Per step S = Q Kᵀ and dP = dO Vᵀ, then dQ += dS K (dS from registers).
@@ -170,7 +175,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         q_major = tok_refs is not None or min(spec.window) < 0
         num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch,
                                              q_major=q_major)
-    else:  # one tile per CTA: grid (q tile, head, batch)
+    else:  # one tile per CTA: grid (head, q tile, batch)
         def coords(i):
             del i
             return lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -421,11 +426,12 @@ def _interpret_params(interpret):
 def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret):
     W, stages, bq, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_q, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_kv // W, row_hash is not None
-    n_tok, grid = tokens.per_side(spec), (k.shape[1] // bs.block_kv, spec.num_kv_heads, spec.batch)
+    nkv = k.shape[1] // bs.block_kv
+    n_tok, grid = tokens.per_side(spec), (spec.num_kv_heads, nkv, spec.batch)  # head-major (L2)
     tok = None
     if tables is not None:
         arrays = tokens.kernel_arrays(spec, tables, bq, bs.block_kv, q_len=q.shape[1],
-                                      kv_len=k.shape[1], transpose=True, num_tiles=grid[0])
+                                      kv_len=k.shape[1], transpose=True, num_tiles=nkv)
         tok = (arrays.ranges, arrays.q_side, arrays.kv_side)
     smem = [smem_tile((W, rows, spec.qk_dim), dtype), smem_tile((W, rows, spec.v_dim), dtype),
             smem_tile((stages, bq, spec.qk_dim), dtype), smem_tile((stages, bq, spec.v_dim), dtype),
@@ -446,14 +452,14 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
     barriers += [plgpu.Barrier(num_barriers=W)] * n_tok
     dq_acc = None
     if bs.fused_dq:  # float32, zeroed, updated in place (a jax.Ref the kernel adds into)
-        slices = (grid[0] * W,) if interpret else ()
+        slices = (nkv * W,) if interpret else ()
         dq_acc = jax.new_ref(jnp.zeros(slices + q.shape[:3] + (spec.qk_dim,), jnp.float32))
     inputs = (q, k, v, do, lse2, delta, row_hash, bias_t, dq_acc, tok)
     dk_type, dv_type = jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)
     if not bs.split_dkv:
         kernel = functools.partial(kernel_dkv, spec=spec, bs=bs, interpret=interpret)
         dk, dv = _launch(kernel, inputs, (dk_type, dv_type), smem, barriers, grid,
-                         ("kv", "heads", "batch"), bs, interpret)
+                         ("heads", "kv", "batch"), bs, interpret)
         if dq_acc is None:
             return dk, dv, None
         dq = dq_acc[...]
@@ -466,7 +472,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
             out = (refs[-3], None) if part == "dk" else (None, refs[-3])
             return one(*refs[:-3], *out, *refs[-2:])
 
-        outs += _launch(kernel, inputs, (out_type,), smem, barriers, grid, ("kv", "heads", "batch"),
+        outs += _launch(kernel, inputs, (out_type,), smem, barriers, grid, ("heads", "kv", "batch"),
                         bs, interpret)
     return (*outs, None)
 
@@ -476,11 +482,12 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret, o
     computes delta itself and returns it (delta_in_dq)."""
     W, stages, bkv, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_q_dq // W, row_hash is not None
-    n_tok, grid = tokens.per_side(spec), (q.shape[1] // bs.block_q_dq, spec.num_heads, spec.batch)
+    nq = q.shape[1] // bs.block_q_dq
+    n_tok, grid = tokens.per_side(spec), (spec.num_heads, nq, spec.batch)  # head-major (L2)
     tok = None
     if tables is not None:
         arrays = tokens.kernel_arrays(spec, tables, bs.block_q_dq, bkv, q_len=q.shape[1],
-                                      kv_len=k.shape[1], num_tiles=grid[0])
+                                      kv_len=k.shape[1], num_tiles=nq)
         tok = (arrays.ranges, arrays.q_side, arrays.kv_side)
     smem = [smem_tile((W, rows, spec.qk_dim), dtype), smem_tile((W, rows, spec.v_dim), dtype),
             plgpu.SMEM((W, rows), jnp.float32), plgpu.SMEM((W, rows), jnp.float32),
@@ -513,7 +520,7 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret, o
         return dq_kernel(*head[:len(head) - len(out_type)], outs[0], dbias_ref, delta_out_ref,
                          smem_refs, barrier_refs)
 
-    grid_names = ("q", "heads", "batch")
+    grid_names = ("heads", "q", "batch")
     if bs.persistent_dq:  # one CTA per SM (at most one per tile), looping over its tiles
         from flashmesh.attention.pallas_mosaic_gpu_sm90 import sm_count
 
