@@ -26,6 +26,8 @@ Schedule (BlockSizes fields, each selectable so the variants can be timed agains
 * `reuse_q_for_o`: O is staged in the warpgroup's Q buffer for the TMA store (Dqk == Dv), so
   3 stages fit at d128 (`BlockSizes.smem_bytes` counts the bytes as Mosaic GPU does).
 * `lpt_order`: query tiles of each (head, batch) run last to first, the longest causal ones first.
+  The grid is head-major (head, query tile, batch), so that the CTAs on the chip at once share
+  a few heads' K/V in L2.
 * `persistent` (tokamax's and FA3's static persistent scheduler): a grid of one CTA per SM,
   CTA c running tiles c, c + C, ... of (batch, head, query tile) in a loop. The K/V ring's
   slots and barrier phases run on across tiles (`stream_kv`'s `issued`), so the memory
@@ -653,8 +655,11 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
         grid = (min(Tp // bs.block_q * spec.num_heads * spec.batch, sm_count(interpret)),)
         grid_names = ("sm",)
     else:
-        grid = (Tp // bs.block_q * splits, spec.num_heads, spec.batch)
-        grid_names = ("q", "heads", "batch")
+        # head-major: the CUDA launch runs the last axis fastest, so the CTAs resident at once
+        # are a few heads' query tiles sharing their K/V in L2 (a (q, heads, batch) grid ran a
+        # few tiles of every head at once: causal 8k, 32 heads, 4 CTAs per head's K/V)
+        grid = (spec.num_heads, Tp // bs.block_q * splits, spec.batch)
+        grid_names = ("heads", "q", "batch")
     out, lse = plgpu.kernel(
         entry, out_type=out_type, grid=grid, grid_names=grid_names,
         num_threads=W + 1, thread_name="wg",
