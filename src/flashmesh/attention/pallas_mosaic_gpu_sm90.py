@@ -241,7 +241,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     wg = lax.axis_index("wg")
     if bs.persistent:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile)
         num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch)
-    else:  # one tile per CTA: grid (q tile [x split], head, batch)
+    else:  # one tile per CTA: grid (head, q tile [x split], batch)
         num_local = None  # one tile (for_each_tile)
         q_axis, split = lax.axis_index("q"), None
         if splits > 1:  # KV splits: CTA (tile, split) visits its part of the tile's key range

@@ -89,7 +89,8 @@ that is a quarter of each kernel's warpgroup-steps.
 
 `BackwardBlockSizes.overlap` (opt-in; measured slower on the H200, 2026-12-05) reorders a dK/dV step on
 a GPU after FA3 (`pipelined`): Sᵀ and dPᵀ issued, Pᵀ computed once Sᵀ is in (`wait_n=1`) while
-dPᵀ runs, dV += Pᵀ dO issued before dSᵀ is computed, then dK's (and the fused dQ's) GEMMs, all
+dPᵀ runs, dV += Pᵀ dO issued before dSᵀ is computed, then (fused) dQ's GEMM, dK's, and the
+partial dQ sent out while dK's runs; all
 awaited once per step; the dQ kernel computes P while dP runs. The arithmetic is unchanged.
 
 Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte rows), above
@@ -331,6 +332,8 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     load_rows(i + 1)
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dQ has left
+            else:  # Q's buffer takes dQ once every warp's last GEMM has read Q (a barrier)
+                plgpu.commit_smem()
             dq_scale = spec.scale / (1.0 - spec.dropout_rate)  # dropout's 1 / (1 - r) here too
             out.at[wg][...] = (dq * dq_scale).astype(dtype)
             plgpu.commit_smem()

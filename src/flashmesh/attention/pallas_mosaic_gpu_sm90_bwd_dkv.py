@@ -287,7 +287,10 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         if bs.dq_columns:  # the other warpgroup's dQ GEMMs read this one's K until it is done
             plgpu.barrier_arrive(dq_done)
             plgpu.barrier_wait(dq_done)
-        # K and V are no longer read (their last GEMMs were awaited): their SMEM takes dK, dV.
+        # K and V are no longer read (their last GEMMs were awaited): their SMEM takes dK, dV,
+        # after a warpgroup barrier (commit_smem's): no warp's store may land before every
+        # warp's last GEMM has read (the automatic barriers are off; once per CTA).
+        plgpu.commit_smem()
         keep_scale = 1.0 / (1.0 - spec.dropout_rate)
         if part != "dv":
             dk = accs.pop(0)
