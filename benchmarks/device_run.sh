@@ -13,7 +13,7 @@
 #   (2026-12-01: two reports named the previous commit and were corrected by hand).
 #   base:<step> runs a step on a baseline tree, for an A/B of a change in one call: make it
 #   with `mkdir -p .ab/base && git archive <rev> src | tar -x -C .ab/base` and carry ".ab"
-#   (ignored: add /.ab/ to .git/info/exclude), e.g. "base:probe_mosaic:--fwdbwd,..."
+#   (.gitignore has it), e.g. "base:probe_mosaic:--fwdbwd,..."
 #   "probe_mosaic:--fwdbwd,..." "base:probe_mosaic:..." "probe_mosaic:...".
 #   tune: `flashmesh tune` (TUNE_ARGS for options, e.g. "--backward --max-candidates 8"); the updated config table comes back as
 #   $OUT/pallas_mosaic_gpu_configs.json.

@@ -66,8 +66,9 @@ class BackwardBlockSizes:
       intra-warpgroup order): Pᵀ is computed once Sᵀ is in while dPᵀ's GEMM runs
       (`wait_n=1`), dV += Pᵀ dO is issued before dSᵀ is computed, then (fused) dQ's GEMM
       before dK's, the partial dQ awaited and sent out while dK's runs, everything awaited
-      once at the end of the step where the default waits two or three times; the dQ kernel computes P while dP's GEMM runs. Same arithmetic, same results
-      bit for bit; the interpreter runs its usual order. Not with split_dkv (its passes keep
+      once at the end of the step where the default waits two or three times; the dQ kernel
+      computes P while dP's GEMM runs. Same arithmetic, same results bit for bit; the
+      interpreter runs its usual order. Not with split_dkv (its passes keep
       the default order). Off by default: on the H200 (2026-12-05) it passed the GPU suite and
       ran slower with two kernels (causal_8k_h32_d128 3.161 ms against 2.957), faster but
       still behind them fused by columns (3.273 against 3.386).
