@@ -90,8 +90,9 @@ Implemented: causal and (left, right) windows in both alignments (top-left, bott
 any scale, GQA/MQA, Dqk != Dv, bf16/f16 inputs with float32 accumulation, lse [B, N, T] in
 the natural-log convention of reference.py, sequence tails (wrapper padding), the logit soft
 cap, the off-by-one and learnable sink softmax, dropout, packed segments and explicit
-positions, a post-scale bias. Not implemented (NotImplementedError): head dims that are not
-multiples of 64 (the 128-byte swizzle), dropout with global key numbers (kv_index). The backward pass is in
+positions, a post-scale bias; head dims that are multiples of 16 up to 256 (the widest
+swizzle their rows allow, `swizzle_for`). Not implemented (NotImplementedError): other head
+dims, dropout with global key numbers (kv_index). The backward pass is in
 pallas_mosaic_gpu_sm90_bwd. Not yet done for speed: OOB-filled TMA loads instead of padded input
 copies (the padding only runs for tails), per-warpgroup ranges, named barriers for the K/V
 "consumed" handshakes, the lazy (thresholded) O rescale, a dynamic (LPT) persistent scheduler
