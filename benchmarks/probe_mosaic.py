@@ -4,9 +4,10 @@ error against cuDNN and the time per call of 20 calls back to back, each block s
 
 `--fwdbwd`: also fwd+bwd of the registered implementation against cuDNN's (`--dropout`: each
 also with attention dropout 0.1; `--fwdbwd-only`: not the forward's block sizes; `--dropout-hash
-pairs|pairs8|round1`: the kernels' last hash round once per adjacent key pair or per keys
-j, j+8, 16 bits per decision, or one cheap round per element (masks different from the
-library's: for timing only, see `_pair_keep`, `_pair8_keep`, `_round1_keep`)). `--bwd`: the
+element|pairs8|round1`: instead of the library's last hash round (once per adjacent key pair,
+16 bits per decision, since 2026-12-06), the one it replaced (once per element, 32 bits), once
+per keys j, j+8, or one cheap round per element (masks different from the library's: for
+timing only, see `_element_keep`, `_pair8_keep`, `_round1_keep`)). `--bwd`: the
 backward kernels alone (`pallas_mosaic_gpu_sm90_bwd.backward_spec`) per BackwardBlockSizes in
 BWD_CONFIGS (the two-kernel default against the fused five-GEMM kernel), each checked against
 the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-grid`: the same
@@ -31,13 +32,12 @@ import flashmesh
 from flashmesh.bench import timing
 from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_dkv as bwd_dkv
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
 
-def _pair_keep(row_hash, key0, shape, key_dim: int, threshold: int):
-    """A probe of a cheaper dropout hash: keys 2m and 2m+1 share one last-round hash, the low
-    16 bits deciding the even key and the high 16 the odd one. In the WGMMA layout a thread
-    holds such pairs in adjacent registers, so the compiler may compute the hash once per pair
-    (whether it does is what the timing tells). Not the library's mask."""
+def _element_keep(row_hash, key0, shape, key_dim: int, rate: float):
+    """The library's hash before 2026-12-06: the last round once per element, 32 bits per
+    decision (what the key-pair hash replaced). Not the library's mask: for timing only."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
 
@@ -45,19 +45,16 @@ def _pair_keep(row_hash, key0, shape, key_dim: int, threshold: int):
     from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
 
     u = jnp.uint32
-    base = row_hash + (jnp.asarray(key0) >> 1).astype(u) * u(DROPOUT_KEY_MULT)
+    base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
     keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
-    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + (keys >> 1).astype(u) * u(DROPOUT_KEY_MULT)
-    h = masks.mix32(x)
-    bits = jnp.where((keys & 1) == 1, h >> 16, h & u(0xFFFF))
-    return bits >= u(threshold >> 16)
+    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
+    return masks.mix32(x) >= u(min(int(round(rate * 2.0**32)), 2**32 - 1))
 
 
-def _pair8_keep(row_hash, key0, shape, key_dim: int, threshold: int):
-    """Like `_pair_keep` with keys j and j+8 of each 16-key group sharing a hash: the pairs a
-    thread holds in the WGMMA layout along both dims (columns c, c+8; rows r, r+8), so the
-    backward (keys along rows) can share them too. key0 is a multiple of 16. Not the library's
-    mask."""
+def _pair8_keep(row_hash, key0, shape, key_dim: int, rate: float):
+    """Keys j and j+8 of each 16-key group sharing a hash: the pairs a thread holds in the
+    WGMMA layout along both dims (columns c, c+8; rows r, r+8), so the backward (keys along
+    rows) could share them too. key0 is a multiple of 16. Not the library's mask."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
 
@@ -71,10 +68,10 @@ def _pair8_keep(row_hash, key0, shape, key_dim: int, threshold: int):
     x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + pair.astype(u) * u(DROPOUT_KEY_MULT)
     h = masks.mix32(x)
     bits = jnp.where((keys & 8) == 8, h >> 16, h & u(0xFFFF))
-    return bits >= u(threshold >> 16)
+    return bits >= u(masks.dropout_threshold(rate))
 
 
-def _round1_keep(row_hash, key0, shape, key_dim: int, threshold: int):
+def _round1_keep(row_hash, key0, shape, key_dim: int, rate: float):
     """One xor-shift-multiply round per element instead of the full finaliser (the row hash is
     already mixed): a bound on what a cheaper per-element hash could buy. Not the library's mask."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -86,15 +83,15 @@ def _round1_keep(row_hash, key0, shape, key_dim: int, threshold: int):
     base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
     keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
     x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
-    return (x ^ (x >> 16)) * u(0x7FEB352D) >= u(threshold)
+    return (x ^ (x >> 16)) * u(0x7FEB352D) >= u(min(int(round(rate * 2.0**32)), 2**32 - 1))
 
 
-_HASHES = {"pairs": _pair_keep, "pairs8": _pair8_keep, "round1": _round1_keep}
+_HASHES = {"element": _element_keep, "pairs8": _pair8_keep, "round1": _round1_keep}
 if "--dropout-hash" in sys.argv:
     _kind = sys.argv[sys.argv.index("--dropout-hash") + 1]
     if _kind not in _HASHES:
         raise SystemExit(f"--dropout-hash: expected one of {sorted(_HASHES)}, got {_kind}")
-    sm90.dropout_keep = bwd.dropout_keep = _HASHES[_kind]
+    sm90.dropout_keep = bwd.dropout_keep = bwd_dkv.dropout_keep = _HASHES[_kind]
 
 
 SHAPES = [  # name, B, T, N, K, D, window

@@ -199,7 +199,8 @@ def attention(q, k, v, *, mask="causal", window=None, segments: Segments | None 
               keep=None, dropout_rate=0.0):
     """(out [B, T, N, Dv], lse [B, N, T]) in float64, by brute force.
 
-    keep: bool [B, N, T, S] (which probabilities survive dropout) or None for no dropout.
+    keep: bool [B, N, T, S] (which probabilities survive dropout) or None for no dropout; the
+    kept ones are scaled by 1 / keep_probability(dropout_rate).
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, T, N, Dqk = q.shape
@@ -229,7 +230,7 @@ def attention(q, k, v, *, mask="causal", window=None, segments: Segments | None 
                 p = np.zeros(S)
                 p[seen] = np.exp(s[seen] - m) / denom
                 if keep is not None:
-                    p = np.where(keep[b, n, i], p / (1.0 - dropout_rate), 0.0)
+                    p = np.where(keep[b, n, i], p / keep_probability(dropout_rate), 0.0)
                 out[b, i, n] = p @ v[b, :, h, :]
                 lse[b, n, i] = m + np.log(denom)
     return out, lse
@@ -273,9 +274,16 @@ def attention_jnp(q, k, v, vis, *, bias=None, scale=None, softmax="vanilla", sin
     p = e / safe[..., None]
     lse = jnp.where(empty, jnp.asarray(EMPTY_ROW_LSE, dt), m + jnp.log(safe))
     if keep is not None:
-        p = jnp.where(jnp.asarray(keep), p / jnp.asarray(1.0 - dropout_rate, dt), jnp.zeros_like(p))
+        p = jnp.where(jnp.asarray(keep), p / jnp.asarray(keep_probability(dropout_rate), dt),
+                      jnp.zeros_like(p))
     out = jnp.einsum("bnts,bsnd->btnd", p, v)
     return out, lse
+
+
+def keep_probability(rate: float) -> float:
+    """The fraction dropout keeps, stated independently of the library: each decision reads 16
+    bits of a hash, so the rate is rounded to a multiple of 1/65536."""
+    return 1.0 - min(round(rate * 65536), 65535) / 65536
 
 
 def dropout_keep_mask(seed, rate: float, B: int, N: int, T: int, S: int) -> np.ndarray:

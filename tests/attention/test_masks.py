@@ -188,6 +188,34 @@ def test_dropout_keep_respects_the_rate(rate):
         assert (np.abs(frac - (1 - rate)) < 6 * np.sqrt(rate * (1 - rate) / m)).all(), (axis, frac)
 
 
+def test_dropout_keep_probability_is_the_rate_in_65536ths():
+    """Each decision reads 16 bits of a hash: the rate realised is a multiple of 1/65536 (the
+    nearest), and the kept elements are scaled by its inverse (unbiased)."""
+    assert masks.keep_probability(0.0) == 1.0
+    assert masks.keep_probability(0.1) == 1.0 - 6554 / 65536
+    assert masks.keep_probability(0.5) == 0.5
+    assert masks.keep_probability(0.9999999) == 1.0 / 65536  # at least one value in 65536 kept
+    for rate in (0.1, 0.3, 0.77):
+        assert abs(masks.keep_probability(rate) - (1.0 - rate)) <= 2.0**-17
+        assert masks.keep_probability(rate) == sem.keep_probability(rate)
+
+
+def test_dropout_keep_pairs_of_keys_are_independent():
+    """Keys 2m and 2m + 1 share one 32-bit hash, 16 bits each: their decisions must still be
+    independent, as must a key's and its neighbours' in other pairs. At rate 0.5 each pair of
+    keys (j, j + d) is kept together a quarter of the time, within 5 standard deviations."""
+    keep = _keep([5, 9], 0.5, shape=(2, 4, 64, 512)).astype(np.float64)
+    for d, first in ((1, 0), (1, 1), (2, 0), (8, 0)):  # (2m, 2m+1), (2m+1, 2m+2), ...
+        j = np.arange(first, keep.shape[-1] - d, 2)
+        a, b = keep[..., j], keep[..., j + d]
+        both = (a * b).mean()
+        n = a.size
+        assert abs(both - 0.25) < 5 * np.sqrt(0.25 * 0.75 / n), (d, first, both)
+    bits = keep.reshape(-1, 2)  # the four outcomes of a pair, each a quarter of the pairs
+    counts = np.bincount((bits[:, 0] * 2 + bits[:, 1]).astype(int), minlength=4) / len(bits)
+    assert (np.abs(counts - 0.25) < 5 * np.sqrt(0.25 * 0.75 / len(bits))).all(), counts
+
+
 def test_dropout_keep_rate_zero_keeps_everything():
     assert _keep([3, 4], 0.0).all()
 

@@ -67,8 +67,8 @@ def test_row_hash_finishes_to_masks_dropout_keep():
         h = sm90.dropout_row_hash(spec, inputs.dropout_seed, q_index=q_index, head_index=head_index)
         assert h.shape == (B, N, T) and h.dtype == jnp.uint32
         kv = jnp.arange(S).astype(jnp.uint32)[None, None, None, :]
-        x = h[..., None] + kv * jnp.uint32(DROPOUT_KEY_MULT)
-        got = masks.mix32(x) >= jnp.uint32(sm90.dropout_threshold(rate))
+        x = h[..., None] + (kv >> 1) * jnp.uint32(DROPOUT_KEY_MULT)  # one hash per key pair
+        got = masks.pair_bits(masks.mix32(x), kv) >= jnp.uint32(masks.dropout_threshold(rate))
         numbers = dataclasses.replace(inputs, q_index=q_index, head_index=head_index)
         want = expected_keep(numbers, rate, B, N, T, S)
         np.testing.assert_array_equal(np.asarray(got), want)
@@ -90,7 +90,7 @@ def check_keep_bits(interpret: bool):
     head_index = jnp.asarray([5, 2], jnp.int32)
     inputs = dataclasses.replace(inputs, q_index=q_index, head_index=head_index)
     out, lse = sm90.attention(inputs, spec, block_sizes=ONE_WG, interpret=interpret)
-    code = np.rint(np.asarray(out, np.float32) * (S * (1.0 - rate))).astype(np.int64)  # B T N D
+    code = np.rint(np.asarray(out, np.float32) * (S * masks.keep_probability(rate))).astype(np.int64)
     assert code.min() >= 0 and code.max() < 16
     blocks = -(-S // D)
     bits = (code[..., None] >> np.arange(blocks)) & 1  # [B, T, N, D, blocks]: key 64 * blk + d

@@ -446,10 +446,10 @@ class Tiles:
         return masks.dropout_keep(self.aux.dropout_seed, self.spec.dropout_rate, b, n, i, j)
 
     def dropout(self, keep: jax.Array | None, x):
-        """x with dropped elements zeroed and the rest scaled by 1 / (1 - rate)."""
+        """x with dropped elements zeroed and the rest scaled by 1 / masks.keep_probability."""
         if keep is None:
             return x
-        return jnp.where(keep, x * (1.0 / (1.0 - self.spec.dropout_rate)), 0.0)
+        return jnp.where(keep, x * (1.0 / masks.keep_probability(self.spec.dropout_rate)), 0.0)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, step_fn, carry, *others):

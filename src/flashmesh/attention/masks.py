@@ -6,7 +6,8 @@
   segment ids, so it costs O(B * (T/bq) * (S/bk)) memory, never O(T * S). It is exact for
   implicit positions and conservative (never calls a tile empty or full wrongly) otherwise.
 * `dropout_keep`: a counter-based hash of (seed, b, n, i, j), so every backend that implements
-  dropout drops the same elements, tile by tile, without storing a mask.
+  dropout drops the same elements, tile by tile, without storing a mask; `keep_probability`
+  is the rate it realises (a multiple of 1/65536) and the kept elements' scale its inverse.
 """
 
 from __future__ import annotations
@@ -154,15 +155,38 @@ def dropout_numbers(inputs: AttentionInputs, n, q_idx, kv_idx):
     return (number(inputs.head_index, n), number(inputs.q_index, q_idx), number(inputs.kv_index, kv_idx))
 
 
+DROPOUT_BITS = 16  # bits of hash per dropout decision: one 32-bit hash decides two keys
+
+
+def dropout_threshold(rate: float) -> int:
+    """An element is kept iff its 16-bit share of the hash is >= this: rate in 1/65536ths."""
+    return min(int(round(rate * 2.0**DROPOUT_BITS)), 2**DROPOUT_BITS - 1)
+
+
+def keep_probability(rate: float) -> float:
+    """The probability `dropout_keep` keeps an element at `rate`: 1 - rate rounded to a multiple
+    of 1/65536 (at most 7.6e-6 away). Every backend scales the kept elements by its inverse, so
+    dropout leaves the expected output unchanged exactly."""
+    return 1.0 - dropout_threshold(rate) / 2.0**DROPOUT_BITS
+
+
 def dropout_keep(seed: jax.Array, rate: float, b, n, q_idx, kv_idx) -> jax.Array:
     """Which attention probabilities survive dropout: bool, broadcast of b, n, q_idx, kv_idx.
 
     A pure function of (seed, batch, head, query index, key index): a tiled backend asks for
-    its tile and gets exactly the elements the reference drops, with no mask in memory.
+    its tile and gets exactly the elements the reference drops, with no mask in memory. Keys
+    2m and 2m + 1 share the last round's 32-bit hash, the low 16 bits deciding the even key and
+    the high 16 the odd one (a kernel computes it once per pair where a thread holds both, as
+    the forward's WGMMA layout does), so rates are multiples of 1/65536 (`keep_probability`).
     """
     u = jnp.uint32
     h = mix32(seed[0] ^ mix32(jnp.asarray(b).astype(u) * u(0x9E3779B1) + jnp.asarray(n).astype(u)))
     h = mix32(h ^ seed[1] ^ jnp.asarray(q_idx).astype(u))
-    h = mix32(h + jnp.asarray(kv_idx).astype(u) * u(0x85EBCA77))
-    threshold = min(int(round(rate * 2.0**32)), 2**32 - 1)
-    return h >= u(threshold)
+    kv = jnp.asarray(kv_idx).astype(u)
+    return pair_bits(mix32(h + (kv >> 1) * u(0x85EBCA77)), kv) >= u(dropout_threshold(rate))
+
+
+def pair_bits(h: jax.Array, kv: jax.Array) -> jax.Array:
+    """The 16 bits of a key pair's hash h (uint32) that decide key kv (any integer dtype): the
+    low half for even keys, the high half for odd ones."""
+    return jnp.where((kv & 1) == 1, h >> 16, h & jnp.uint32(0xFFFF))

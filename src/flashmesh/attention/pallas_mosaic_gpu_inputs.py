@@ -25,11 +25,6 @@ DROPOUT_BATCH_MULT = 0x9E3779B1
 DROPOUT_KEY_MULT = 0x85EBCA77
 
 
-def dropout_threshold(rate: float) -> int:
-    """masks.dropout_keep's threshold: an element is kept iff its uint32 hash is >= this."""
-    return min(int(round(rate * 2.0**32)), 2**32 - 1)
-
-
 def dropout_row_hash(spec: AttentionSpec, seed, *, q_index=None, head_index=None):
     """The first two rounds of masks.dropout_keep (per batch and head, then per query row), the
     same operations in the same order: uint32 [B, N, T]. The kernels finish the hash per

@@ -57,15 +57,17 @@ sink reaches the kernel as [N, rows_per_wg] float32 (sink * log2 e, broadcast in
 and each compute warpgroup copies its head's row into SMEM by TMA.
 
 Dropout (spec.dropout_rate > 0): the elements kept are masks.dropout_keep's, bit for bit.
-That hash has three rounds: one per (batch, head), one per query row, one per element. The
+That hash has three rounds: one per (batch, head), one per query row, one per key pair. The
 first two run in XLA (`dropout_row_hash`, uint32 [B, N, T], like the lse in size), so
 context parallelism's global head and query numbers (`head_index`, `q_index`) cost nothing
 in the kernel. Each compute warpgroup copies its rows by TMA, like the sink. The last round
-runs per element in the kernel (`dropout_keep`, uint32 arithmetic on WGMMA-layout arrays:
-iota, multiply, xor, logical right shift, unsigned compare), after the online softmax.
-l sums the undropped probabilities, so lse is unchanged. Only the P of O += P V loses the
-dropped elements, and the 1 / (1 - rate) rescale is folded into the final 1 / l. Key
-numbers other than 0..S-1 (`kv_index`) are not implemented.
+runs in the kernel (`dropout_keep`, uint32 arithmetic on WGMMA-layout arrays: iota,
+multiply, xor, logical right shift, unsigned compare), after the online softmax, once per
+pair of adjacent keys (a thread holds both; each takes 16 bits of the hash). l sums the
+undropped probabilities, so lse is unchanged. Only the P of O += P V loses the dropped
+elements, and the 1 / (1 - rate) rescale (1 - rate being `masks.keep_probability`, the rate
+rounded to 1/65536ths) is folded into the final 1 / l. Key numbers other than 0..S-1
+(`kv_index`) are not implemented.
 
 Segments and explicit positions (`tables`, pallas_mosaic_gpu_tokens): the CTA's key-tile
 range is read from the block map's per-batch ranges (int32 scalars in global memory) instead
@@ -140,7 +142,7 @@ from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_B
                                                             smem_tile, split_part)
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, dropout_row_hash,
-                                                            dropout_threshold, inputs_dropout_hash,
+                                                            inputs_dropout_hash,
                                                             pad_to, spec_for)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, dropout_keep,
                                                                 for_each_tile, persistent_tiles,
@@ -309,7 +311,6 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
             fold = cap is None and spec.scale > 0 and bias_ref is None
             kv_tail = spec.kv_len % bkv != 0  # the last key tile holds padded columns past S
             has_sink = spec.softmax != "vanilla"
-            threshold = dropout_threshold(spec.dropout_rate)
             row_hash = None  # dropout: the warpgroup's row hashes, loaded before the main loop
             q_tokens = None  # segments: the warpgroup's (ids, positions), loaded before the loop
 
@@ -389,8 +390,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                 m_b = lax.broadcast_in_dim(m_safe, s.shape, [0])
                 p = jnp.exp2(s * scale2 - m_b) if fold else jnp.exp2(s - m_b)
                 l_new = l_i * alpha + p.sum(axis=1)  # undropped: dropout acts after the softmax
-                if row_hash is not None:  # only P·V's P loses them (1 / (1 - rate) in store)
-                    p = jnp.where(dropout_keep(row_hash, step * bkv, s.shape, 1, threshold), p, 0.0)
+                if row_hash is not None:  # only P·V's P loses them (1 / keep prob. in store)
+                    keep = dropout_keep(row_hash, step * bkv, s.shape, 1, spec.dropout_rate)
+                    p = jnp.where(keep, p, 0.0)
                 return p.astype(dtype), m_new, l_new, alpha
 
             def rescale(acc, alpha):
@@ -466,8 +468,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
             def store(acc, m_i, l_i):
                 seen = l_i > 0.0  # always true with a sink: an empty row gives 0 and lse = z
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)  # an empty row gives 0
-                if spec.has_dropout:  # the kept probabilities' 1 / (1 - rate)
-                    inv = inv * (1.0 / (1.0 - spec.dropout_rate))
+                if spec.has_dropout:  # the kept probabilities' 1 / keep_probability
+                    inv = inv * (1.0 / masks.keep_probability(spec.dropout_rate))
                 o = rescale(acc, inv).astype(dtype)
                 log2_l = jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E
                 if o_in_q:  # a warpgroup barrier: every warp is past its last read of Q
@@ -718,7 +720,7 @@ def forward(q: Float[Array, "B T N Dqk"], k: Float[Array, "B S K Dqk"],
       sink: float32 [N] sink logits, for softmax="learnable" only.
       dropout_rate, dropout_seed: with rate in (0, 1), probabilities are dropped where
         masks.dropout_keep(dropout_seed, rate, b, n, i, j) is False and the rest scaled by
-        1 / (1 - rate); dropout_seed is uint32 [2] (what api.normalize makes of a PRNG key).
+        1 / masks.keep_probability(rate); dropout_seed is uint32 [2] (what api.normalize makes of a PRNG key).
       block_sizes: the tile configuration, `BlockSizes()` by default (the registry passes
         `default_for`); T and S need not be multiples of block_q and block_kv (tails are
         padded in the wrapper).

@@ -10,13 +10,13 @@ delta_i = rowsum(dO ∘ O) (= Σ_j P_ij dP_ij, a plain-JAX preprocess), dC = P �
 dS = dC ∘ (1 - tanh²) under the soft cap, dQ = scale dS K, dK = scale dSᵀ Q. A sink logit z
 has probability exp(z - lse) and no value, so dz = -exp(z - lse) delta (plain JAX).
 
-Dropout (rate r; keep_ij is masks.dropout_keep, bit for bit: `sm90.dropout_keep` on the
-forward's row hashes, streamed like lse): dV = (P ∘ keep / (1 - r))ᵀ dO and
-dC = P ∘ (dP ∘ keep / (1 - r) - delta), where delta = rowsum(dO ∘ O) uses the forward's
-dropped O (chunked_vjp's form). The kernels run the r-free form dV += (P ∘ keep)ᵀ dO and
-dC' = P ∘ (dP ∘ keep - (1 - r) delta), with (1 - r) delta scaled in XLA. dQ, dK and dV take
-the 1 / (1 - r) at the end, with the logit scale, so each element pays two selects on top
-of its hash.
+Dropout (rate r, 1 - r being masks.keep_probability; keep_ij is masks.dropout_keep, bit for
+bit: `sm90.dropout_keep` on the forward's row hashes, streamed like lse):
+dV = (P ∘ keep / (1 - r))ᵀ dO and dC = P ∘ (dP ∘ keep / (1 - r) - delta), where
+delta = rowsum(dO ∘ O) uses the forward's dropped O (chunked_vjp's form). The kernels run the
+r-free form dV += (P ∘ keep)ᵀ dO and dC' = P ∘ (dP ∘ keep - (1 - r) delta), with (1 - r) delta
+scaled in XLA. dQ, dK and dV take the 1 / (1 - r) at the end, with the logit scale, so each
+element pays two selects on top of its hash.
 
 Two forms; `default_for` picks by the tile table's backward_entries (the fused one for head
 dim 64 self-attention, as measured; never under spec.reproducible). Two kernels, deterministic
@@ -117,12 +117,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (band_kv_range, check_spec, clamp_within,
                                                             smem_tile)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_dkv import kernel_dkv, step_copies
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
-                                                            check_tables, dropout_threshold, pad_to)
+                                                            check_tables, pad_to)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_overlapped,
                                                                     walk_ranges, wgmma_iota, zero_acc)
@@ -227,8 +228,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                                                  bs.overlap)
             plgpu.barrier_arrive(v_consumed.at[slot])
             if dropout:
-                keep = dropout_keep(row_hash, step * bkv, p.shape, 1,
-                                    dropout_threshold(spec.dropout_rate))
+                keep = dropout_keep(row_hash, step * bkv, p.shape, 1, spec.dropout_rate)
                 dp = jnp.where(keep, dp, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
             if dcap is not None:
@@ -237,7 +237,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     ds = jnp.where(p == 0.0, 0.0, ds)
             if dbias_ref is not None:  # dbias = dS (dropout's 1 / (1 - r) included)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read it
-                keep_scale = 1.0 / (1.0 - spec.dropout_rate)
+                keep_scale = 1.0 / masks.keep_probability(spec.dropout_rate)
                 dbias_smem.at[wg][...] = (ds * keep_scale if dropout else ds).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(dbias_smem.at[wg], dbias_ref.at[
@@ -311,7 +311,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     part = jnp.sum(o.astype(jnp.float32) * d_o.astype(jnp.float32), axis=1)
                     delta = part if delta is None else delta + part
                 if dropout:
-                    delta = delta * jnp.float32(1.0 - spec.dropout_rate)
+                    delta = delta * jnp.float32(masks.keep_probability(spec.dropout_rate))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's delta has left
                 delta_smem.at[wg][...] = delta
                 plgpu.commit_smem()
@@ -334,7 +334,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dQ has left
             else:  # Q's buffer takes dQ once every warp's last GEMM has read Q (a barrier)
                 plgpu.commit_smem()
-            dq_scale = spec.scale / (1.0 - spec.dropout_rate)  # dropout's 1 / (1 - r) here too
+            dq_scale = spec.scale / masks.keep_probability(spec.dropout_rate)  # dropout's too
             out.at[wg][...] = (dq * dq_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out.at[wg], dq_ref.at[batch, pl.ds(row0, rows), head])
@@ -576,7 +576,7 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
         if d_lse is not None:
             delta = delta - d_lse.astype(jnp.float32)
         if spec.has_dropout:  # the kernels' r-free form: dC' = P (dP keep - (1 - r) delta)
-            delta = delta * jnp.float32(1.0 - spec.dropout_rate)
+            delta = delta * jnp.float32(masks.keep_probability(spec.dropout_rate))
     # Tails: zero-pad T and S to multiples of both kernels' tiles. Padded query rows get
     # q = dO = lse = delta = 0 (finite P, exactly zero dS and dV terms); padded keys are masked.
     q_mult, kv_mult = np.lcm(bs.block_q, bs.block_q_dq), np.lcm(bs.block_kv, bs.block_kv_dq)
@@ -597,7 +597,8 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     dk, dv, dq_fused = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs,
                             interpret)
     if dq_fused is not None:  # fused: dS K summed over the key tiles; the scale and dropout's
-        dq, dbias = (dq_fused * (spec.scale / (1.0 - spec.dropout_rate))).astype(q.dtype), None
+        dq_scale = spec.scale / masks.keep_probability(spec.dropout_rate)
+        dq, dbias = (dq_fused * dq_scale).astype(q.dtype), None
     elif not in_dq:
         dq, dbias, _ = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_p, tables, spec, bs,
                            interpret)
@@ -606,7 +607,7 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
         # The sink's probability exp(z - lse) times its (zero) dP minus delta, summed over b, t
         # (delta without dropout's (1 - r), which only the kernels' r-free form carries).
         p_sink = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse)
-        unscaled = delta[:, :, :spec.q_len] / jnp.float32(1.0 - spec.dropout_rate)
+        unscaled = delta[:, :, :spec.q_len] / jnp.float32(masks.keep_probability(spec.dropout_rate))
         dsink = -jnp.sum(p_sink * unscaled, axis=(0, 2))
     S, T = spec.kv_len, spec.q_len
     if dbias is not None:

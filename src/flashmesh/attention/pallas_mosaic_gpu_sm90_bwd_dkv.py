@@ -11,9 +11,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import clamp_within
-from flashmesh.attention.pallas_mosaic_gpu_inputs import dropout_threshold
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_overlapped,
                                                                     ring_drain, walk_ranges, wgmma_iota,
@@ -132,7 +132,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     return pt, pt, dcap
                 # keys are rows here: the queries' hashes run along the columns
                 keep = dropout_keep(plgpu.load(hash_smem.at[slot], layout=COL), key0, pt.shape,
-                                    0, dropout_threshold(spec.dropout_rate))
+                                    0, spec.dropout_rate)
                 # FA2's sign trick: a dropped element's P is held negated, so no mask lives
                 # through the step (bools cost registers beside dK, dV, Pᵀ and dPᵀ): the Pᵀ of
                 # dV is max(ps, 0) and `score_grads` reads keep back from the sign.
@@ -291,7 +291,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         # after a warpgroup barrier (commit_smem's): no warp's store may land before every
         # warp's last GEMM has read (the automatic barriers are off; once per CTA).
         plgpu.commit_smem()
-        keep_scale = 1.0 / (1.0 - spec.dropout_rate)
+        keep_scale = 1.0 / masks.keep_probability(spec.dropout_rate)
         if part != "dv":
             dk = accs.pop(0)
             k_smem.at[wg][...] = (dk * (spec.scale * keep_scale)).astype(dtype)

@@ -24,17 +24,20 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def dropout_keep(row_hash, key0, shape, key_dim: int, threshold: int):
+def dropout_keep(row_hash, key0, shape, key_dim: int, rate: float):
     """In a kernel: the last round of masks.dropout_keep over a tile, bool `shape` (WGMMA
     layout). row_hash: `dropout_row_hash` of the tile's queries, a uint32 vector along the
     other dim (WGMMA row or column layout); the keys are key0 + iota along key_dim (key0 an
-    int32 scalar). (key0 + j) * M = key0 * M + j * M modulo 2**32, so the scalar part joins the
-    vector and each element pays one multiply-add before the mixer."""
+    even int32 scalar: tiles start at multiples of 64). Keys 2m and 2m + 1 share one hash of
+    m, m = key0 / 2 + iota // 2, and m * M = (key0 / 2) * M + (iota // 2) * M modulo 2**32, so
+    the scalar part joins the vector and each pair pays one multiply-add before the mixer;
+    along the columns (the forward, the dQ kernel) a thread holds both keys of a pair in
+    adjacent registers, and the compiler computes their hash once."""
     u = jnp.uint32
-    base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
+    base = row_hash + (jnp.asarray(key0) >> 1).astype(u) * u(DROPOUT_KEY_MULT)
     keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
-    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
-    return masks.mix32(x) >= u(threshold)
+    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + (keys >> 1).astype(u) * u(DROPOUT_KEY_MULT)
+    return masks.pair_bits(masks.mix32(x), keys) >= u(masks.dropout_threshold(rate))
 
 
 def pv_from_registers(acc, p16, v_tile, p_smem, during):

@@ -86,7 +86,7 @@ def attention(inputs: AttentionInputs, spec: AttentionSpec) -> tuple[jax.Array, 
         n, i, j = masks.dropout_numbers(inputs, jnp.arange(N), jnp.arange(T), jnp.arange(S))
         keep = masks.dropout_keep(inputs.dropout_seed, spec.dropout_rate, jnp.arange(B)[:, None, None, None],
                                   n[None, :, None, None], i[None, None, :, None], j[None, None, None, :])
-        p = jnp.where(keep, p / (1.0 - spec.dropout_rate), 0.0)
+        p = jnp.where(keep, p / masks.keep_probability(spec.dropout_rate), 0.0)
 
     o = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, N // K, T, S), v).reshape(B, T, N, -1)
     return o.astype(inputs.q.dtype), lse
