@@ -286,6 +286,30 @@ def keep_probability(rate: float) -> float:
     return 1.0 - min(round(rate * 65536), 65535) / 65536
 
 
+def dropout_keep_np(seed, rate: float, B: int, N: int, T: int, S: int) -> np.ndarray:
+    """bool [B, N, T, S]: the attention dropout mask restated in numpy (unsigned 64-bit
+    arithmetic reduced mod 2**32), independently of the library: three rounds of the lowbias32
+    finaliser, per (batch, head), per query and per pair of keys (2m, 2m + 1), the pair's hash
+    giving its low 16 bits to the even key and its high 16 bits to the odd one; an element is
+    kept iff its 16 bits are >= round(rate * 65536) (at most 65535)."""
+    m32 = 0xFFFFFFFF
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & m32
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & m32
+        return x ^ (x >> 16)
+
+    s0, s1 = (int(x) for x in np.asarray(seed, np.uint32))
+    b, n, i, j = np.ix_(*(np.arange(x, dtype=np.uint64) for x in (B, N, T, S)))
+    h = mix(np.uint64(s0) ^ mix((b * 0x9E3779B1 + n) & m32))
+    h = mix(h ^ np.uint64(s1) ^ i)
+    h = mix((h + (j >> 1) * 0x85EBCA77) & m32)
+    bits = np.where(j & 1, h >> 16, h & 0xFFFF)
+    return bits >= min(round(rate * 65536), 65535)
+
+
 def dropout_keep_mask(seed, rate: float, B: int, N: int, T: int, S: int) -> np.ndarray:
     """bool [B, N, T, S]: the elements `flashmesh.attention.masks.dropout_keep` keeps."""
     from flashmesh.attention import masks

@@ -188,6 +188,19 @@ def test_dropout_keep_respects_the_rate(rate):
         assert (np.abs(frac - (1 - rate)) < 6 * np.sqrt(rate * (1 - rate) / m)).all(), (axis, frac)
 
 
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.99999])
+def test_dropout_keep_is_the_restated_hash_bit_for_bit(rate):
+    """masks.dropout_keep against semantics.dropout_keep_np, the hash restated in numpy: the
+    same elements over 262144 draws, a few of which sit exactly on the threshold (2 at rate
+    0.1, 7 at 0.5; at 0.99999 only those 16-bit values of 65535 are kept), so a strict
+    comparison or another split of the pair's bits would differ."""
+    shape = (2, 4, 64, 512)
+    keep = _keep([5, 9], rate, shape=shape)
+    want = sem.dropout_keep_np([5, 9], rate, *shape)
+    np.testing.assert_array_equal(keep, want)
+    assert want.any() and not want.all()
+
+
 def test_dropout_keep_probability_is_the_rate_in_65536ths():
     """Each decision reads 16 bits of a hash: the rate realised is a multiple of 1/65536 (the
     nearest), and the kept elements are scaled by its inverse (unbiased)."""
@@ -200,20 +213,25 @@ def test_dropout_keep_probability_is_the_rate_in_65536ths():
         assert masks.keep_probability(rate) == sem.keep_probability(rate)
 
 
-def test_dropout_keep_pairs_of_keys_are_independent():
+@pytest.mark.parametrize("rate", [0.3, 0.5])
+def test_dropout_keep_pairs_of_keys_are_independent(rate):
     """Keys 2m and 2m + 1 share one 32-bit hash, 16 bits each: their decisions must still be
-    independent, as must a key's and its neighbours' in other pairs. At rate 0.5 each pair of
-    keys (j, j + d) is kept together a quarter of the time, within 5 standard deviations."""
-    keep = _keep([5, 9], 0.5, shape=(2, 4, 64, 512)).astype(np.float64)
+    independent, as must a key's and its neighbours' in other pairs. Each pair of keys
+    (j, j + d) is kept together (1 - rate)^2 of the time: within 6 standard deviations of the
+    product's mean over disjoint pairs (d = 1, starting even or odd), and over overlapping ones
+    (d = 2, 8; their variance is larger, at most twice)."""
+    keep = _keep([5, 9], rate, shape=(2, 4, 64, 512)).astype(np.float64)
+    p = masks.keep_probability(rate)
     for d, first in ((1, 0), (1, 1), (2, 0), (8, 0)):  # (2m, 2m+1), (2m+1, 2m+2), ...
         j = np.arange(first, keep.shape[-1] - d, 2)
-        a, b = keep[..., j], keep[..., j + d]
-        both = (a * b).mean()
-        n = a.size
-        assert abs(both - 0.25) < 5 * np.sqrt(0.25 * 0.75 / n), (d, first, both)
-    bits = keep.reshape(-1, 2)  # the four outcomes of a pair, each a quarter of the pairs
-    counts = np.bincount((bits[:, 0] * 2 + bits[:, 1]).astype(int), minlength=4) / len(bits)
-    assert (np.abs(counts - 0.25) < 5 * np.sqrt(0.25 * 0.75 / len(bits))).all(), counts
+        both = (keep[..., j] * keep[..., j + d]).mean()
+        sd = np.sqrt(2 * p * p * (1 - p * p) / keep[..., j].size)
+        assert abs(both - p * p) < 6 * sd, (d, first, both, p * p)
+    pairs = keep.reshape(-1, 2)  # the four outcomes of a pair (2m, 2m+1)
+    counts = np.bincount((pairs[:, 0] * 2 + pairs[:, 1]).astype(int), minlength=4) / len(pairs)
+    expected = np.array([(1 - p) ** 2, (1 - p) * p, p * (1 - p), p * p])
+    sd = np.sqrt(expected * (1 - expected) / len(pairs))
+    assert (np.abs(counts - expected) < 6 * sd).all(), (counts, expected)
 
 
 def test_dropout_keep_rate_zero_keeps_everything():

@@ -75,9 +75,11 @@ def test_row_hash_finishes_to_masks_dropout_keep():
         assert 0.5 * rate < 1.0 - float(want.mean()) < 1.5 * rate
 
 
-def check_keep_bits(interpret: bool):
-    """The kernel's kept elements, decoded from its output, against masks.dropout_keep."""
-    B, T, S, N, K, D, rate = 2, 136, 200, 2, 1, 64, 0.4
+def check_keep_bits(interpret: bool, rate: float = 0.4):
+    """The kernel's kept elements, decoded from its output, against masks.dropout_keep. At rate
+    0.99999 the scale pins masks.keep_probability (1/65536, where 1 - rate is 1e-5: a kept
+    element would decode to 1.5 times its code)."""
+    B, T, S, N, K, D = 2, 136, 200, 2, 1, 64
     q = jnp.zeros((B, T, N, D), jnp.bfloat16)  # every logit 0: p = 1 / S for every key
     j = np.arange(S)
     onehot = np.zeros((S, D), np.float32)
@@ -95,14 +97,17 @@ def check_keep_bits(interpret: bool):
     blocks = -(-S // D)
     bits = (code[..., None] >> np.arange(blocks)) & 1  # [B, T, N, D, blocks]: key 64 * blk + d
     got = bits.transpose(0, 2, 1, 4, 3).reshape(B, N, T, blocks * D)[..., :S]
-    mismatches = np.argwhere(got != expected_keep(inputs, rate, B, N, T, S))
+    want = expected_keep(inputs, rate, B, N, T, S)
+    assert want.any() and not want.all()  # some kept and some dropped: the check means something
+    mismatches = np.argwhere(got != want)
     assert len(mismatches) == 0, (f"{len(mismatches)} elements differ, first (b, n, i, j): "
                                   f"{mismatches[:5]}")
     np.testing.assert_allclose(np.asarray(lse), np.log(S), rtol=0, atol=1e-5)  # undropped
 
 
-def test_keep_is_masks_dropout_keep_bit_for_bit(interpreter):
-    check_keep_bits(interpret=True)
+@pytest.mark.parametrize("rate", [0.4, 0.99999])
+def test_keep_is_masks_dropout_keep_bit_for_bit(interpreter, rate):
+    check_keep_bits(interpret=True, rate=rate)
 
 
 @pytest.mark.gpu

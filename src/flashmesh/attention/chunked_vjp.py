@@ -4,7 +4,7 @@ From the residuals q, k, v, (bias, sink), out and lse, each tile's probabilities
 as p = e^(s - lse) (no [T, S] matrix is ever stored), and with do = dL/dout, for query row i and
 key j (Dao, 2023, Algorithm 2):
 
-    dv_j += sum_i p~_ij do_i                      p~ = p after dropout (scaled by 1 / (1 - rate))
+    dv_j += sum_i p~_ij do_i                      p~ = p after dropout (kept scaled by 1 / keep prob.)
     dp_ij = do_i . v_j, masked and scaled by dropout like p
     ds_ij = p_ij (dp_ij - delta_i),               delta_i = do_i . out_i - g_lse_i
     dq_i += scale ds_ij k_j,   dk_j += scale ds_ij q_i,   dbias_ij = ds_ij

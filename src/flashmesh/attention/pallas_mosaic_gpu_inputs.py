@@ -27,8 +27,8 @@ DROPOUT_KEY_MULT = 0x85EBCA77
 
 def dropout_row_hash(spec: AttentionSpec, seed, *, q_index=None, head_index=None):
     """The first two rounds of masks.dropout_keep (per batch and head, then per query row), the
-    same operations in the same order: uint32 [B, N, T]. The kernels finish the hash per
-    element with `dropout_keep`.
+    same operations in the same order: uint32 [B, N, T]. The kernels finish the hash per key
+    pair with `dropout_keep`.
 
     seed: uint32 [2] (AttentionInputs.dropout_seed); q_index [T], head_index [N] int32 or None:
     the global query and head numbers the hash sees (context parallelism), as

@@ -9,7 +9,8 @@ The computation, per batch b, query head n (key/value head n // (N / K)), query 
     s_ij = cap * tanh(s_ij / cap)                (optional logit soft cap)
     s_ij = -inf where (i, j) is masked            (causal / window / segments / padding)
     p_ij = exp(s_ij) / (sum_j exp(s_ij) + z)      z = 0, 1 (off_by_one) or exp(sink_n) (learnable)
-    o_i  = sum_j dropout(p_ij) v_j                dropout keeps with prob 1 - rate, scales 1/(1-rate)
+    o_i  = sum_j dropout(p_ij) v_j                keeps with prob kp = masks.keep_probability(rate),
+                                                  scales the kept by 1 / kp
     lse_i = log(sum_j exp(s_ij) + z)              EMPTY_ROW_LSE if that sum is 0
 """
 
