@@ -720,7 +720,8 @@ def forward(q: Float[Array, "B T N Dqk"], k: Float[Array, "B S K Dqk"],
       sink: float32 [N] sink logits, for softmax="learnable" only.
       dropout_rate, dropout_seed: with rate in (0, 1), probabilities are dropped where
         masks.dropout_keep(dropout_seed, rate, b, n, i, j) is False and the rest scaled by
-        1 / masks.keep_probability(rate); dropout_seed is uint32 [2] (what api.normalize makes of a PRNG key).
+        1 / masks.keep_probability(rate); dropout_seed is uint32 [2] (what api.normalize makes
+        of a PRNG key).
       block_sizes: the tile configuration, `BlockSizes()` by default (the registry passes
         `default_for`); T and S need not be multiples of block_q and block_kv (tails are
         padded in the wrapper).
