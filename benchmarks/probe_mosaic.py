@@ -35,20 +35,31 @@ from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_dkv as bwd_dkv
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
 
-def _element_keep(row_hash, key0, shape, key_dim: int, rate: float):
-    """The library's hash before 2026-12-06: the last round once per element, 32 bits per
-    decision (what the key-pair hash replaced). Not the library's mask: for timing only."""
+
+def _per_element(row_hash, key0, shape, key_dim: int):
+    """The last round's input per element (key numbers key0 + iota, no pairing), shared by the
+    per-element forms below."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
 
-    from flashmesh.attention import masks
-    from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
+    from flashmesh.attention.masks import DROPOUT_KEY_MULT
 
     u = jnp.uint32
     base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
     keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
-    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
-    return masks.mix32(x) >= u(min(int(round(rate * 2.0**32)), 2**32 - 1))
+    return lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
+
+
+def _threshold32(rate: float):
+    return jnp.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
+
+
+def _element_keep(row_hash, key0, shape, key_dim: int, rate: float):
+    """The library's hash before 2026-12-06: the last round once per element, 32 bits per
+    decision (what the key-pair hash replaced). Not the library's mask: for timing only."""
+    from flashmesh.attention import masks
+
+    return masks.mix32(_per_element(row_hash, key0, shape, key_dim)) >= _threshold32(rate)
 
 
 def _pair8_keep(row_hash, key0, shape, key_dim: int, rate: float):
@@ -59,7 +70,7 @@ def _pair8_keep(row_hash, key0, shape, key_dim: int, rate: float):
     from jax import lax
 
     from flashmesh.attention import masks
-    from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
+    from flashmesh.attention.masks import DROPOUT_KEY_MULT
 
     u = jnp.uint32
     base = row_hash + (jnp.asarray(key0) >> 1).astype(u) * u(DROPOUT_KEY_MULT)
@@ -74,16 +85,8 @@ def _pair8_keep(row_hash, key0, shape, key_dim: int, rate: float):
 def _round1_keep(row_hash, key0, shape, key_dim: int, rate: float):
     """One xor-shift-multiply round per element instead of the full finaliser (the row hash is
     already mixed): a bound on what a cheaper per-element hash could buy. Not the library's mask."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax import lax
-
-    from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
-
-    u = jnp.uint32
-    base = row_hash + jnp.asarray(key0).astype(u) * u(DROPOUT_KEY_MULT)
-    keys = plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=plgpu.Layout.WGMMA)
-    x = lax.broadcast_in_dim(base, shape, [1 - key_dim]) + keys.astype(u) * u(DROPOUT_KEY_MULT)
-    return (x ^ (x >> 16)) * u(0x7FEB352D) >= u(min(int(round(rate * 2.0**32)), 2**32 - 1))
+    x = _per_element(row_hash, key0, shape, key_dim)
+    return (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D) >= _threshold32(rate)
 
 
 _HASHES = {"element": _element_keep, "pairs8": _pair8_keep, "round1": _round1_keep}

@@ -156,6 +156,8 @@ def dropout_numbers(inputs: AttentionInputs, n, q_idx, kv_idx):
 
 
 DROPOUT_BITS = 16  # bits of hash per dropout decision: one 32-bit hash decides two keys
+DROPOUT_BATCH_MULT = 0x9E3779B1  # dropout_keep's multiplier of the batch index (first round)
+DROPOUT_KEY_MULT = 0x85EBCA77  # and of the key pair's index (last round)
 
 
 def dropout_threshold(rate: float) -> int:
@@ -180,10 +182,10 @@ def dropout_keep(seed: jax.Array, rate: float, b, n, q_idx, kv_idx) -> jax.Array
     the forward's WGMMA layout does), so rates are multiples of 1/65536 (`keep_probability`).
     """
     u = jnp.uint32
-    h = mix32(seed[0] ^ mix32(jnp.asarray(b).astype(u) * u(0x9E3779B1) + jnp.asarray(n).astype(u)))
+    h = mix32(seed[0] ^ mix32(jnp.asarray(b).astype(u) * u(DROPOUT_BATCH_MULT) + jnp.asarray(n).astype(u)))
     h = mix32(h ^ seed[1] ^ jnp.asarray(q_idx).astype(u))
     kv = jnp.asarray(kv_idx).astype(u)
-    return pair_bits(mix32(h + (kv >> 1) * u(0x85EBCA77)), kv) >= u(dropout_threshold(rate))
+    return pair_bits(mix32(h + (kv >> 1) * u(DROPOUT_KEY_MULT)), kv) >= u(dropout_threshold(rate))
 
 
 def pair_bits(h: jax.Array, kv: jax.Array) -> jax.Array:

@@ -20,9 +20,7 @@ from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
-# masks.dropout_keep's multipliers of the batch index (first round) and key index (last round).
-DROPOUT_BATCH_MULT = 0x9E3779B1
-DROPOUT_KEY_MULT = 0x85EBCA77
+DROPOUT_BATCH_MULT, DROPOUT_KEY_MULT = masks.DROPOUT_BATCH_MULT, masks.DROPOUT_KEY_MULT
 
 
 def dropout_row_hash(spec: AttentionSpec, seed, *, q_index=None, head_index=None):
