@@ -14,7 +14,8 @@ the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-gri
 over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (each config with
 BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-ranges`:
 BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
-BWD_DELTA (delta_in_dq) the same way. Each alternated mode also lists each config's kernels.
+BWD_DELTA (delta_in_dq) the same way; `--window`: the window kernel's WINDOW_CONFIGS
+(ping-pong off and on) the same way, on the window shapes named. Each alternated mode also lists each config's kernels.
 `--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
 name meaning True), on top of today's config, so that a profiler's launch count finds it (the
 `ncu` step of device_run.sh: the forward's launch, then two calls of the backward before the 20
@@ -245,6 +246,47 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
                 print(f"  kernels {label}: FAILED {type(e).__name__}: {e}", flush=True)
 
 
+# `--window`: the window kernel's WindowBlockSizes, alternated in 3 rounds (ping-pong off / on)
+WINDOW_CONFIGS = [dict(), dict(pingpong=True), dict(block_kv=128), dict(block_kv=128, pingpong=True)]
+
+
+def window_alone(q, k, v, window, out_ref):
+    """The window kernel per WindowBlockSizes in WINDOW_CONFIGS, timed back to back in 3
+    alternated rounds, each checked against cuDNN's output, then its kernel time."""
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_window as window_kernel
+    from flashmesh.attention.pallas_mosaic_gpu_common import WindowBlockSizes
+    from flashmesh.bench.kernel_time import kernels_ms
+
+    spec = sm90.spec_for(q, k, v, scale=q.shape[-1] ** -0.5, window=window)
+    timed = {}
+    for cfg in WINDOW_CONFIGS:
+        label = str(cfg or "default")
+        try:
+            bs = WindowBlockSizes(**cfg).validate_for(spec)
+            f = jax.jit(lambda q, k, v, bs=bs: window_kernel.forward_spec(q, k, v, spec, block_sizes=bs)[0])
+            out = jax.block_until_ready(f(q, k, v))
+            err = float(jnp.linalg.norm((out - out_ref).astype(jnp.float32))
+                        / jnp.linalg.norm(out_ref.astype(jnp.float32)))
+            timed[label] = (f, err)
+        except Exception as e:  # a probe: report and go on
+            print(f"  window {label}: FAILED {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:400] if str(e) else ''}", flush=True)
+            traceback.print_exc(limit=3)
+    rounds = {label: [] for label in timed}
+    for _ in range(3 if timed else 0):
+        for label, (f, _) in timed.items():
+            rounds[label].append(back_to_back(f, q, k, v))
+    for label, ts in rounds.items():
+        print(f"  window {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
+              f"rel err vs cudnn {timed[label][1]:.1e}", flush=True)
+    for label, (f, _) in timed.items():
+        try:
+            print(f"  kernels {label}: " + ", ".join(f"{name[:60]} {ms:.3f}" for name, ms in
+                                                     kernels_ms(f, (q, k, v)).items()), flush=True)
+        except Exception as e:  # a probe: report and go on
+            print(f"  kernels {label}: FAILED {type(e).__name__}: {e}", flush=True)
+
+
 def back_to_back(f, *args, n=20):
     jax.block_until_ready(f(*args))  # compiled and warm
     return timing.back_to_back(f, args, n)
@@ -266,6 +308,9 @@ def main():
         out_ref = ref(q, k, v)
         t_ref = back_to_back(ref, q, k, v)
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
+        if "--window" in sys.argv:
+            window_alone(q, k, v, window, out_ref)
+            continue
         if {"--bwd", "--bwd-grid", *ALTERNATED} & set(sys.argv) or NAMED:
             backward_alone(name, q, k, v, window, t_ref)
             continue

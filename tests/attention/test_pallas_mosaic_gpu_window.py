@@ -39,6 +39,9 @@ CASES = [
           softmax="learnable"), WindowBlockSizes(num_compute_wgs=1)),
     (Case("empty_blocks", T=256, S=64, N=2, K=2, window=(8, 0), bottom_right=True),
      WindowBlockSizes(num_compute_wgs=1)),
+    # ping-pong: two warpgroups taking turns on the named barriers, two heads each
+    (Case("pingpong_gqa_two_wgs", T=100, S=100, N=4, K=1, window=(50, 0)),
+     WindowBlockSizes(pingpong=True)),
 ]
 GPU_CASES = [
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -48,6 +51,10 @@ GPU_CASES = [
      WindowBlockSizes()),
     (Case("seed_heads_w128", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128, window=(128, 0)),
      WindowBlockSizes()),
+    (Case("seed_heads_w128_pingpong", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128, window=(128, 0)),
+     WindowBlockSizes(pingpong=True)),
+    (Case("off_by_one_cap_pingpong", T=192, S=192, N=2, K=1, window=(100, 10), cap=2.0,
+          softmax="off_by_one"), WindowBlockSizes(pingpong=True)),
 ]
 
 
@@ -107,12 +114,13 @@ def test_gradients_through_the_backend_interpret(interpreter):
         rel_l2(name, a, b, 1e-2)
 
 
-@pytest.mark.parametrize("T, N, K, D, Dv, win, softmax, cap", [
-    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None),
-    (1000, 4, 2, 128, 64, (100, 30), "learnable", 5.0),
-    (512, 2, 1, 64, 64, (64, 64), "off_by_one", None),
+@pytest.mark.parametrize("T, N, K, D, Dv, win, softmax, cap, pingpong", [
+    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, False),
+    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, True),
+    (1000, 4, 2, 128, 64, (100, 30), "learnable", 5.0, True),
+    (512, 2, 1, 64, 64, (64, 64), "off_by_one", None, False),
 ])
-def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap):
+def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong):
     from jax.experimental.mosaic.gpu import core as mosaic_core
 
     q = jax.ShapeDtypeStruct((2, T, N, D), jnp.bfloat16)
@@ -120,7 +128,7 @@ def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap):
     v = jax.ShapeDtypeStruct((2, T, K, Dv), jnp.bfloat16)
     sink = jax.ShapeDtypeStruct((N,), jnp.float32) if softmax == "learnable" else None
     spec = sm90.spec_for(q, k, v, scale=0.1, window=win, softmax=softmax, logits_soft_cap=cap)
-    bs = WindowBlockSizes()
+    bs = WindowBlockSizes(pingpong=pingpong)
 
     def lower():
         f = jax.jit(lambda q, k, v, s: window.forward_spec(q, k, v, spec, sink=s, block_sizes=bs))
@@ -163,6 +171,10 @@ def test_where_it_applies_and_is_chosen():
         bs.validate_for(_spec(mask="causal"))
     with pytest.raises(ValueError, match="block_kv=96 must be 64 or 128"):
         WindowBlockSizes(block_kv=96)
+    with pytest.raises(ValueError, match="pingpong=True needs num_compute_wgs=2, got 1"):
+        WindowBlockSizes(num_compute_wgs=1, pingpong=True)
+    with pytest.raises(ValueError, match="pingpong must be a bool"):
+        WindowBlockSizes(pingpong=1)
     fields = common.config_fields(bs)
     assert fields["kernel"] == "window" and common.forward_config(fields) == bs
     assert dataclasses.asdict(common.forward_config({"block_q": 128})) == dataclasses.asdict(

@@ -404,16 +404,24 @@ WINDOW_MAX_BAND = 256  # keys in its S = Q Kᵀ: WGMMA's largest N
 class WindowBlockSizes:
     """The window kernel's configuration: block_kv keys per band tile (a multiple of 64 for
     16-bit inputs), num_compute_wgs warpgroups sharing the group's heads (1 or 2; G must be a
-    multiple)."""
+    multiple). pingpong: the warpgroups take turns issuing their GEMMs (FA3's warp scheduler
+    barrier, as `BlockSizes.pingpong`), so one warpgroup's softmax runs under the other's
+    GEMMs; needs 2 warpgroups."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
             raise ValueError(f"WindowBlockSizes.block_kv={self.block_kv!r} must be 64 or 128")
         if self.num_compute_wgs not in (1, 2):
             raise ValueError(f"WindowBlockSizes.num_compute_wgs={self.num_compute_wgs!r} must be 1 or 2")
+        if not isinstance(self.pingpong, bool):
+            raise ValueError(f"WindowBlockSizes.pingpong must be a bool, got {self.pingpong!r}")
+        if self.pingpong and self.num_compute_wgs < 2:
+            raise ValueError(f"WindowBlockSizes.pingpong=True needs num_compute_wgs=2, got "
+                             f"{self.num_compute_wgs}")
 
     def band_tiles(self, spec: AttentionSpec) -> int:
         """Key tiles in every block's band: the most any 64-position block meets, at most the

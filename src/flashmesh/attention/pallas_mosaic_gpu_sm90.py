@@ -131,8 +131,6 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import llvm
 from jaxtyping import Array, Float
 
 from flashmesh.attention import masks
@@ -145,7 +143,7 @@ from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_drop
                                                             inputs_dropout_hash,
                                                             pad_to, spec_for)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, dropout_keep,
-                                                                for_each_tile, persistent_tiles,
+                                                                for_each_tile, named_barrier, persistent_tiles,
                                                                 pv_from_registers, pv_from_smem,
                                                                 ring_slot, stream_tiles,
                                                                 tile_kv_range)
@@ -164,24 +162,6 @@ def smem_bytes(spec: AttentionSpec, bs: BlockSizes) -> int:
     if spec.has_dropout:
         extra += -(-bs.block_q * 4 // SMEM_ALIGNMENT) * SMEM_ALIGNMENT + 8 * bs.num_compute_wgs
     return bs.smem_bytes(spec) + extra
-
-
-def _named_barrier(operation: str, num_threads: int):
-    """`bar.sync` / `bar.arrive` on the hardware named barrier given as a traced int32, over
-    num_threads threads (Mosaic GPU exposes named barriers only through inline PTX).
-
-    The function and closure names (bar_op, operation, num_threads) are the ones Mosaic GPU's
-    interpreter recognises as a named barrier (jaxpr_interpret.py), so interpret mode runs
-    the same schedule."""
-    if operation not in ("sync", "arrive"):
-        raise ValueError(f"operation={operation!r} must be 'sync' or 'arrive'")
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
-    def bar_op(_, barrier_id):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [barrier_id.registers[()]],
-                        f"bar.{operation} $0, {num_threads};", "r", has_side_effects=True)
-
-    return bar_op
 
 
 def _pair_in_flight(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_issue, on_s):
@@ -321,11 +301,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
 
             def turn_wait():
                 if bs.pingpong:
-                    _named_barrier("sync", 2 * WARPGROUP)(base + wg)
+                    named_barrier("sync", 2 * WARPGROUP)(base + wg)
 
             def turn_signal():
                 if bs.pingpong:
-                    _named_barrier("arrive", 2 * WARPGROUP)(base + lax.rem(wg + 1, jnp.int32(W)))
+                    named_barrier("arrive", 2 * WARPGROUP)(base + lax.rem(wg + 1, jnp.int32(W)))
 
             def first_turn_wait():  # warpgroup 0 issues the first block without waiting
                 pl.when(wg != 0)(turn_wait)

@@ -15,6 +15,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
 
 from flashmesh.attention import masks
 from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
@@ -22,6 +24,24 @@ from flashmesh.attention.spec import AttentionSpec
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+def named_barrier(operation: str, num_threads: int):
+    """`bar.sync` / `bar.arrive` on the hardware named barrier given as a traced int32, over
+    num_threads threads (Mosaic GPU exposes named barriers only through inline PTX).
+
+    The function and closure names (bar_op, operation, num_threads) are the ones Mosaic GPU's
+    interpreter recognises as a named barrier (jaxpr_interpret.py), so interpret mode runs
+    the same schedule."""
+    if operation not in ("sync", "arrive"):
+        raise ValueError(f"operation={operation!r} must be 'sync' or 'arrive'")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def bar_op(_, barrier_id):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [barrier_id.registers[()]],
+                        f"bar.{operation} $0, {num_threads};", "r", has_side_effects=True)
+
+    return bar_op
 
 
 def dropout_keep(row_hash, key0, shape, key_dim: int, rate: float):

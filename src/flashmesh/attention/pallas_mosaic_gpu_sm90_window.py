@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_sm90_parts as parts
-from flashmesh.attention.pallas_mosaic_gpu_common import (WINDOW_ROWS, WindowBlockSizes,
+from flashmesh.attention.pallas_mosaic_gpu_common import (WARPGROUP, WINDOW_ROWS, WindowBlockSizes,
                                                             band_kv_range, check_spec, smem_tile,
                                                             window_reason)
 from flashmesh.attention.pallas_mosaic_gpu_inputs import check_sink, pad_to
@@ -94,6 +94,24 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     cap = spec.logits_soft_cap
     kv_tail = spec.kv_len % bkv != 0 or nb * bkv > spec.kv_len
 
+    # Ping-pong: warpgroup w waits on named barrier base + w before issuing a GEMM and signals
+    # base + (w + 1) % W once it is issued (each head's S, then its P V), so the other
+    # warpgroup's softmax runs under it. Warpgroup 0 skips its first wait and the last warpgroup
+    # its last signal: every warpgroup runs G / W heads, so the barriers balance. Mosaic GPU
+    # owns barrier 0 and 1 + warpgroup index; ours start after those.
+    base = W + 1
+
+    def turn(operation: str, barrier, skip=None):
+        if bs.pingpong:
+            op = lambda: parts.named_barrier(operation, 2 * WARPGROUP)(barrier)
+            op() if skip is None else pl.when(jnp.logical_not(skip))(op)
+
+    def turn_wait(skip=None):
+        turn("sync", base + wg, skip)
+
+    def turn_signal(skip=None):
+        turn("arrive", base + lax.rem(wg + 1, W), skip)
+
     def one_head(t, carry):
         buf = lax.rem(t, 2)
         head = head_of(t)
@@ -101,7 +119,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         plgpu.barrier_wait(q_ready.at[wg * 2 + buf])
 
         def qk(s_ref):
+            turn_wait(skip=(t == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
             plgpu.wgmma(s_ref, q_smem.at[wg, buf], k_smem.transpose((1, 0)))
+            turn_signal()
             return s_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
@@ -133,7 +153,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
             l = l + jnp.exp2(z - m_safe)
         acc = plgpu.layout_cast(jnp.zeros((ROWS, spec.v_dim), jnp.float32), plgpu.Layout.WGMMA)
         p_wg = None if p_smem is None else p_smem.at[wg]
-        acc = pv(acc, p.astype(dtype), v_smem, p_wg, lambda: None)
+        turn_wait()
+        last = (t + 1 == heads) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
+        acc = pv(acc, p.astype(dtype), v_smem, p_wg, lambda: turn_signal(skip=last))
         seen = l > 0.0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         o = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
@@ -193,6 +215,8 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
         grid_names=("q", "heads", "batch"), num_threads=W, thread_name="wg",
         # No reduction scratch: the row max and sum stay within a warp (WGMMA layout).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        # The interpreter models named barriers (the ping-pong) only in its tokamax mode.
+        interpret=(plgpu.InterpretGPUParams(inline_mgpu="_hack_model_inline_mgpu_tokamax")
+                   if interpret else None),
     )(*inputs)
     return out[:, :spec.q_len], lse[:, :, :spec.q_len]

@@ -74,8 +74,8 @@ def candidates(spec, limit: int | None = None) -> list:
         default = common.heuristic(spec)
     grid = itertools.product(SEARCH["tiles"], SEARCH["block_kv"], SEARCH["num_stages"],
                              SEARCH["intra_wg_overlap"])
-    windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w)
-               for kv, w in itertools.product((64, 128), (2, 1)))
+    windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w, pingpong=p)
+               for kv, w, p in itertools.product((64, 128), (2, 1), (False, True)) if w == 2 or not p)
     persistent = ([dataclasses.replace(default, persistent=p, reuse_q_for_o=r) for p, r in PERSISTENT]
                   if isinstance(default, common.BlockSizes) and default.num_splits == 1 else [])
     for bs in itertools.chain([default], persistent, windows, (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
