@@ -143,7 +143,8 @@ from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_drop
                                                             inputs_dropout_hash,
                                                             pad_to, spec_for)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, dropout_keep,
-                                                                for_each_tile, named_barrier, persistent_tiles,
+                                                                for_each_tile, named_barrier,
+                                                                persistent_tiles,
                                                                 pv_from_registers, pv_from_smem,
                                                                 ring_slot, stream_tiles,
                                                                 tile_kv_range)

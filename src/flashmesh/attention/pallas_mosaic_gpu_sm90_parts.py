@@ -1,6 +1,7 @@
 """In-kernel pieces the Mosaic GPU attention kernels share (forward, dK/dV and dQ, window):
 the memory warpgroup's K/V ring with its extra copies (segment tables, bias tiles), the band
-mask, the last round of the dropout hash, and O += P V in the GPU's and the interpreter's forms.
+mask, the last round of the dropout hash, O += P V in the GPU's and the interpreter's forms,
+and the hardware named barriers of the ping-pong schedules.
 
 Shape legend: rows query rows of a warpgroup, bkv keys per tile; WGMMA layouts throughout.
 """

@@ -16,8 +16,11 @@ memory warpgroup. Warpgroup 0 loads the band's K and V once (one TMA each, nb * 
 from tile `lo`, clamped so the band stays inside the padded keys). Warpgroup w then takes the
 group's query heads w, w + W, ...: per head it prefetches the next head's Q into its other
 buffer (double buffering), runs S = Q Kᵀ (WGMMA), masks the band element-wise (`band_mask`),
-takes the exact softmax in exp2 (scale folded in), O = P V (P from registers), and stores O
-from its Q buffer and lse by TMA while the next head computes. K/V traffic from L2 is divided
+takes the exact softmax in exp2 (scale folded into exp2's argument, one FMA per logit),
+O = P V (P from registers), and stores O from its Q buffer and lse by TMA while the next head
+computes. With `WindowBlockSizes.pingpong` the two warpgroups take turns issuing their GEMMs
+(named barriers, as the general kernel), so one's softmax runs under the other's GEMMs. K/V
+traffic from L2 is divided
 by G against the general kernel, and each query block meets ceil((63 + left + right) /
 block_kv) + 1 tiles instead of the 128-row tile's.
 
@@ -92,6 +95,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     pv = parts.pv_from_smem if interpret else parts.pv_from_registers
     scale2 = spec.scale * parts.LOG2E
     cap = spec.logits_soft_cap
+    # Fold scale2 into exp2's argument, exp2(s scale2 - m): one FMA per logit, the max taken of
+    # the raw logits (scale2 > 0), as the general kernel does.
+    fold = cap is None and spec.scale > 0
     kv_tail = spec.kv_len % bkv != 0 or nb * bkv > spec.kv_len
 
     # Ping-pong: warpgroup w waits on named barrier base + w before issuing a GEMM and signals
@@ -134,20 +140,21 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
             e = jnp.exp2(s * (2.0 * parts.LOG2E * spec.scale / cap))
             s = (1.0 - 2.0 / (e + 1.0)) * (cap * parts.LOG2E)
-        else:
+        elif not fold:
             s = s * scale2
         # (indices made here, not before the loop, so they are not live across it)
         i = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 0, layout=plgpu.Layout.WGMMA)
         j = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 1, layout=plgpu.Layout.WGMMA)
         s = parts.band_mask(s, i + (row0 + spec.diagonal_offset), j + lo * bkv, spec, kv_tail)
-        m = s.max(axis=1)
+        m = s.max(axis=1) * scale2 if fold else s.max(axis=1)
         row = plgpu.Layout.WGMMA.reduce(1)
         if spec.softmax != "vanilla":  # the sink is one more logit z with no value
             z = 0.0 if sink_ref is None else sink_ref[head] * parts.LOG2E
             z = plgpu.layout_cast(jnp.full((ROWS,), z, jnp.float32), row)
             m = jnp.maximum(m, z)
         m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a row with no key: exact zeros, no NaN
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+        m_b = lax.broadcast_in_dim(m_safe, s.shape, [0])
+        p = jnp.exp2(s * scale2 - m_b) if fold else jnp.exp2(s - m_b)
         l = p.sum(axis=1)
         if spec.softmax != "vanilla":
             l = l + jnp.exp2(z - m_safe)
