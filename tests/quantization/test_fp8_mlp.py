@@ -10,7 +10,7 @@ import flashmesh.te as te
 from flashmesh.nn import LayerNormMLP
 from flashmesh.nn import mlp as nn_mlp
 from flashmesh.nn.mlp import ACTIVATIONS
-from flashmesh.quantization import activation, dense, update_fp8_metas
+from flashmesh.quantization import activation, dense, layouts, update_fp8_metas
 from flashmesh.quantization.mlp import fp8_mlp
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
 
@@ -84,6 +84,25 @@ def test_kernel_equals_xla_in_fp8(name, dtype):
             assert np.mean(a != b) < 1e-2
             np.testing.assert_allclose(a, b, rtol=0.26, atol=2.0 ** -9)  # one step (subnormals included)
         np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+
+
+@pytest.mark.parametrize("geometry", [layouts.Geometry(128, 64, 8), layouts.Geometry(64, 32)], ids=str)
+def test_kernel_geometries_equal_the_default(geometry, monkeypatch):
+    """Another program shape (benchmarks/probe_fp8_transpose.py --geometries) gives the default
+    geometry's bytes, amax and dbias exactly: a program's elements are computed alike."""
+    acts = ACTS["swiglu"]
+    h, bias, g = _inputs(len(acts), M=256, F=192, seed=3)
+    s = jnp.full((1,), 5.0, jnp.float32)
+    for fn, args, fp8 in [(activation.act_quantize_both, (h, bias), jnp.float8_e4m3fn),
+                          (activation.dact_quantize_both, (g, h, bias), jnp.float8_e5m2)]:
+        want = fn(*args, acts, s, fp8, kernel=True)
+        with monkeypatch.context() as m:
+            m.setattr(layouts, "GEOMETRY", geometry)
+            got = fn(*args, acts, s, fp8, kernel=True)
+        for a, b in zip(got[:3], want[:3]):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        if len(got) == 4:  # dbias: the column sums in another grouping of rows
+            np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-4)
 
 
 def test_nan_reaches_the_amax_and_infinities_clip():

@@ -141,3 +141,24 @@ def test_gpu_quantize_both_runs_the_kernel_and_equals_xla():
         assert "triton" in f.lower(x, scale).compile().as_text()
         for a, b in zip(f(x, scale), layouts.quantize_both(x, scale, jnp.float8_e5m2, kernel=False)):
             np.testing.assert_array_equal(_bytes(a), _bytes(b))
+
+
+GEOMETRIES = [layouts.Geometry(32, 64), layouts.Geometry(64, 128, 8), layouts.Geometry(128, 64)]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+def test_quantize_both_kernel_geometries_equal_xla(geometry, monkeypatch):
+    """Other program shapes (what benchmarks/probe_fp8_transpose.py --geometries times): the same
+    bytes in both layouts and the same amax, sizes checked against the geometry's tile."""
+    monkeypatch.setattr(layouts, "GEOMETRY", geometry)
+    x = (jax.random.normal(jax.random.key(4), (256, 384), jnp.float32) * 30).astype(jnp.bfloat16)
+    scale = jnp.full((1,), 7.5, jnp.float32)
+    plain = layouts.quantize_both(x, scale, jnp.float8_e4m3fn, kernel=False)
+    fused = layouts.quantize_both(x, scale, jnp.float8_e4m3fn, kernel=True)
+    for a, b in zip(plain[:2], fused[:2]):
+        np.testing.assert_array_equal(_bytes(a), _bytes(b))
+    np.testing.assert_array_equal(plain[2], fused[2])
+    rows, cols = geometry.rows, geometry.cols
+    assert layouts.kernel_fits(jnp.zeros((rows, cols))) and not layouts.kernel_fits(jnp.zeros((rows, cols + 16)))
+    with pytest.raises(ValueError, match=rf"multiples of \({rows}, {cols}\)"):
+        layouts.quantize_both(jnp.zeros((rows + 16, cols)), scale, jnp.float8_e4m3fn, kernel=True)

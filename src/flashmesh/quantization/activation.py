@@ -15,7 +15,7 @@ arrays (one fusion) that the cast-transpose read again, and the backward wrote d
 cast-transpose read it: 1.3 GB and 0.77 GB of traffic against 0.5 GB and 0.77 GB here
 (`loop_add_convert_fusion` 0.254 ms, `loop_convert_fusion` 0.305 ms and two cast-transposes of
 0.17 ms in benchmarks/results/2026-12-02-nvidia-h200-fp8-profile/). On a lone CUDA device each
-is one Pallas Triton kernel over 64 x 64 tiles (`kernel=None`, the rule of
+is one Pallas Triton kernel over tiles of `layouts.GEOMETRY` (64 x 64) (`kernel=None`, the rule of
 `layouts.quantize_both`); elsewhere the same arithmetic in XLA.
 """
 
@@ -31,7 +31,6 @@ from flashmesh.quantization import layouts, scaling
 
 __all__ = ["act_quantize_both", "dact_quantize_both", "fits", "gelu_tanh"]
 
-TILE = layouts.TILE
 _C = 0.7978845608028654  # sqrt(2 / pi)
 
 
@@ -79,8 +78,10 @@ def _kernel_gradients(acts, vs, g, interpret):
 
 
 def fits(h: jax.Array, n: int) -> bool:
-    """Whether the kernels take h [M, n*F]: layouts.kernel_fits and F a multiple of TILE."""
-    return layouts.kernel_fits(h) and h.shape[1] % n == 0 and (h.shape[1] // n) % TILE == 0
+    """Whether the kernels take h [M, n*F]: layouts.kernel_fits and F a multiple of the kernels'
+    columns (layouts.GEOMETRY)."""
+    return (layouts.kernel_fits(h) and h.shape[1] % n == 0
+            and (h.shape[1] // n) % layouts.GEOMETRY.cols == 0)
 
 
 def _activate(acts: Sequence[Callable], vs):
@@ -105,7 +106,8 @@ def _choose(kernel, h, n, cuda, xla):
         return xla
     if kernel and not fits(h, n):
         raise ValueError(f"h of shape {h.shape} and dtype {h.dtype} does not fit the kernel for "
-                         f"{n} block(s): sizes multiples of {TILE} per block, bf16/f16/f32")
+                         f"{n} block(s): sizes multiples of ({layouts.GEOMETRY.rows}, "
+                         f"{layouts.GEOMETRY.cols}) per block, bf16/f16/f32")
     return cuda if kernel else xla
 
 
@@ -157,9 +159,10 @@ def _specs(n, J, bias, block):
     """In-specs of h's n blocks (and bias's) for the program at (i, j) of block j's columns."""
     from jax.experimental import pallas as pl
 
-    specs = [pl.BlockSpec((TILE, TILE), (lambda k: lambda i, c: (i, k * J + block(c)))(k)) for k in range(n)]
+    R, C = layouts.GEOMETRY.rows, layouts.GEOMETRY.cols
+    specs = [pl.BlockSpec((R, C), (lambda k: lambda i, c: (i, k * J + block(c)))(k)) for k in range(n)]
     if bias is not None:
-        specs += [pl.BlockSpec((TILE,), (lambda k: lambda i, c: (k * J + block(c),))(k)) for k in range(n)]
+        specs += [pl.BlockSpec((C,), (lambda k: lambda i, c: (k * J + block(c),))(k)) for k in range(n)]
     return specs
 
 
@@ -167,7 +170,7 @@ def _read(refs, n, has_bias):
     hs, rest = refs[:n], refs[n:]
     vs = [r[...].astype(jnp.float32) for r in hs]
     if has_bias:
-        vs = [v + b[...].astype(jnp.float32).reshape(1, TILE) for v, b in zip(vs, rest[:n])]
+        vs = [v + b[...].astype(jnp.float32).reshape(1, -1) for v, b in zip(vs, rest[:n])]
         rest = rest[n:]
     return vs, rest
 
@@ -177,7 +180,8 @@ def _forward_kernel(h, bias, scale, acts, dtype, *, interpret: bool):
 
     n = len(acts)
     M, F = h.shape[0], h.shape[1] // n
-    J = F // TILE
+    R, C = layouts.GEOMETRY.rows, layouts.GEOMETRY.cols
+    J = F // C
     has_bias = bias is not None
 
     def body(*refs):
@@ -188,17 +192,18 @@ def _forward_kernel(h, bias, scale, acts, dtype, *, interpret: bool):
         qt_ref[...] = layouts.quantize_tile(a.T, s, dtype)
         amax_ref[...] = layouts.tile_amax(a)
 
-    grid = (M // TILE, J)
+    grid = (M // R, J)
     operands = [h] * n + ([bias] * n if has_bias else []) + [scale.reshape(1).astype(jnp.float32)]
     q, qt, tiles = pl.pallas_call(
         body, grid=grid,
         in_specs=_specs(n, J, bias, lambda c: c) + [pl.BlockSpec((1,), lambda i, c: (0,))],
-        out_specs=[pl.BlockSpec((TILE, TILE), lambda i, c: (i, c)),
-                   pl.BlockSpec((TILE, TILE), lambda i, c: (c, i)),
+        out_specs=[pl.BlockSpec((R, C), lambda i, c: (i, c)),
+                   pl.BlockSpec((C, R), lambda i, c: (c, i)),
                    pl.BlockSpec((1, 1), lambda i, c: (i, c))],
         out_shape=[jax.ShapeDtypeStruct((M, F), dtype), jax.ShapeDtypeStruct((F, M), dtype),
                    jax.ShapeDtypeStruct(grid, jnp.float32)],
-        interpret=interpret, name="fp8_act_quantize_both")(*operands)
+        compiler_params=layouts.compiler_params(), interpret=interpret,
+        name="fp8_act_quantize_both")(*operands)
     return q, qt, jnp.max(tiles)
 
 
@@ -209,7 +214,8 @@ def _backward_kernel(g, h, bias, scale, acts, dtype, *, interpret: bool):
 
     n = len(acts)
     M, F = g.shape
-    J = F // TILE
+    R, C = layouts.GEOMETRY.rows, layouts.GEOMETRY.cols
+    J = F // C
     has_bias = bias is not None
 
     def body(*refs):
@@ -224,23 +230,23 @@ def _backward_kernel(g, h, bias, scale, acts, dtype, *, interpret: bool):
         qt_ref[...] = layouts.quantize_tile(dv.T, s, dtype)
         amax_ref[...] = layouts.tile_amax(dv)
         if has_bias:
-            rest[4][...] = jnp.sum(dv, axis=0).reshape(1, TILE)
+            rest[4][...] = jnp.sum(dv, axis=0).reshape(1, C)
 
-    grid = (M // TILE, n * J)
+    grid = (M // R, n * J)
     operands = [g] + [h] * n + ([bias] * n if has_bias else []) + [scale.reshape(1).astype(jnp.float32)]
-    out_specs = [pl.BlockSpec((TILE, TILE), lambda i, c: (i, c)),
-                 pl.BlockSpec((TILE, TILE), lambda i, c: (c, i)),
+    out_specs = [pl.BlockSpec((R, C), lambda i, c: (i, c)),
+                 pl.BlockSpec((C, R), lambda i, c: (c, i)),
                  pl.BlockSpec((1, 1), lambda i, c: (i, c))]
     out_shape = [jax.ShapeDtypeStruct((M, n * F), dtype), jax.ShapeDtypeStruct((n * F, M), dtype),
                  jax.ShapeDtypeStruct(grid, jnp.float32)]
-    if has_bias:  # each row tile's column sums, summed below (M / TILE rows of float32)
-        out_specs.append(pl.BlockSpec((1, TILE), lambda i, c: (i, c)))
-        out_shape.append(jax.ShapeDtypeStruct((M // TILE, n * F), jnp.float32))
+    if has_bias:  # each row tile's column sums, summed below (M / R rows of float32)
+        out_specs.append(pl.BlockSpec((1, C), lambda i, c: (i, c)))
+        out_shape.append(jax.ShapeDtypeStruct((M // R, n * F), jnp.float32))
     outs = pl.pallas_call(
         body, grid=grid,
-        in_specs=[pl.BlockSpec((TILE, TILE), lambda i, c: (i, c % J))] + _specs(n, J, bias, lambda c: c % J)
+        in_specs=[pl.BlockSpec((R, C), lambda i, c: (i, c % J))] + _specs(n, J, bias, lambda c: c % J)
         + [pl.BlockSpec((1,), lambda i, c: (0,))],
-        out_specs=out_specs, out_shape=out_shape,
+        out_specs=out_specs, out_shape=out_shape, compiler_params=layouts.compiler_params(),
         interpret=interpret, name="fp8_dact_quantize_both")(*operands)
     q, qt, tiles = outs[:3]
     dbias = jnp.sum(outs[3], axis=0) if has_bias else None

@@ -14,7 +14,7 @@ and per-tile amaxes (TransformerEngine's cast-transpose), the same bytes as the 
 payloads aside). H200, 2026-12-02 (x read once, both layouts written,
 `benchmarks/probe_fp8_transpose.py`): bf16 [8192, 16384] 0.158 ms for that kernel, 0.257 for
 quantise + byte_transpose, 0.342 for quantise + `.T`. `kernel=None` (what `dense` passes) takes
-it where it can run as one kernel: a CUDA device, sizes multiples of TILE, a process with one
+it where it can run as one kernel: a CUDA device, sizes multiples of GEOMETRY's tile, a process with one
 device and no mesh or `shard_map` around the call (with several devices the SPMD partitioner
 would gather a Pallas call's operands); the XLA form elsewhere. `kernel=True` forces it
 (interpret mode off a GPU), `kernel=False` refuses it. The choice between the two is made when
@@ -26,13 +26,36 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from typing import NamedTuple
+
 from jax import lax
 
 from flashmesh.quantization import scaling
 
-__all__ = ["byte_transpose", "kernel_fits", "one_device_program", "quantize_both", "typed_sharding"]
+__all__ = ["GEOMETRY", "Geometry", "byte_transpose", "kernel_fits", "one_device_program", "quantize_both",
+           "typed_sharding"]
 
-TILE = 64  # the kernel's square tile; both sizes must be multiples of it
+class Geometry(NamedTuple):
+    """The quantise kernels' programs (this module's and `activation`'s): rows x cols of the
+    input per program (powers of two from 16) and Triton's num_warps (None: its default, 4)."""
+
+    rows: int = 64
+    cols: int = 64
+    num_warps: int | None = None
+
+
+# 64 x 64, 4 warps: the only geometry timed so far (2026-12-02, 2.4-3.4 TB/s in the FP8 layer);
+# benchmarks/probe_fp8_transpose.py --geometries times others. Sizes must be multiples of it.
+GEOMETRY = Geometry()
+
+
+def compiler_params():
+    """The Pallas Triton compiler params of GEOMETRY (None: Triton's defaults)."""
+    if GEOMETRY.num_warps is None:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=GEOMETRY.num_warps)
 
 
 def byte_transpose(q: jax.Array) -> jax.Array:
@@ -81,7 +104,8 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None 
     elif kernel:
         if not kernel_fits(x):
             raise ValueError(f"x of shape {x.shape} and dtype {x.dtype} does not fit the kernel: sizes "
-                             f"multiples of {TILE}, bf16/f16/f32, not sharded in its type")
+                             f"multiples of ({GEOMETRY.rows}, {GEOMETRY.cols}), bf16/f16/f32, not "
+                             f"sharded in its type")
         local = _kernel(x, scale, dtype, interpret=jax.default_backend() != "gpu")
     else:
         local = _xla(x, scale, dtype)
@@ -98,8 +122,10 @@ def one_device_program() -> bool:
 
 
 def kernel_fits(x) -> bool:
-    """Whether the kernel takes x: 2-D, sizes multiples of TILE, bf16/f16/f32, no typed sharding."""
-    return (x.ndim == 2 and x.shape[0] % TILE == 0 and x.shape[1] % TILE == 0 and x.shape[0] > 0
+    """Whether the kernel takes x: 2-D, sizes multiples of GEOMETRY's tile, bf16/f16/f32, no typed
+    sharding."""
+    return (x.ndim == 2 and x.shape[0] % GEOMETRY.rows == 0 and x.shape[1] % GEOMETRY.cols == 0
+            and x.shape[0] > 0
             and not typed_sharding(x) and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
@@ -120,16 +146,18 @@ def _kernel(x, scale, dtype, *, interpret: bool):
         qt_ref[...] = quantize_tile(v.T, s, dtype)
         amax_ref[...] = tile_amax(v)
 
-    grid = (M // TILE, K // TILE)
+    R, C = GEOMETRY.rows, GEOMETRY.cols
+    grid = (M // R, K // C)
     q, qt, tiles = pl.pallas_call(
         body, grid=grid,
-        in_specs=[pl.BlockSpec((TILE, TILE), lambda i, j: (i, j)), pl.BlockSpec((1,), lambda i, j: (0,))],
-        out_specs=[pl.BlockSpec((TILE, TILE), lambda i, j: (i, j)),
-                   pl.BlockSpec((TILE, TILE), lambda i, j: (j, i)),
+        in_specs=[pl.BlockSpec((R, C), lambda i, j: (i, j)), pl.BlockSpec((1,), lambda i, j: (0,))],
+        out_specs=[pl.BlockSpec((R, C), lambda i, j: (i, j)),
+                   pl.BlockSpec((C, R), lambda i, j: (j, i)),
                    pl.BlockSpec((1, 1), lambda i, j: (i, j))],
         out_shape=[jax.ShapeDtypeStruct((M, K), dtype), jax.ShapeDtypeStruct((K, M), dtype),
                    jax.ShapeDtypeStruct(grid, jnp.float32)],
-        interpret=interpret, name="fp8_quantize_both")(x, scale.reshape(1).astype(jnp.float32))
+        compiler_params=compiler_params(), interpret=interpret,
+        name="fp8_quantize_both")(x, scale.reshape(1).astype(jnp.float32))
     return q, qt, jnp.max(tiles)
 
 
