@@ -13,7 +13,8 @@ softmax is exact in one pass (no online rescale).
 
 Structure: a grid over (64-position query block, kv head, batch); W compute warpgroups, no
 memory warpgroup. Warpgroup 0 loads the band's K and V once (one TMA each, nb * block_kv rows
-from tile `lo`, clamped so the band stays inside the padded keys). Warpgroup w then takes the
+from tile `lo`, clamped so the band stays inside the padded keys), after the first Q, and the
+first head's S GEMM waits only for K. Warpgroup w then takes the
 group's query heads w, w + W, ...: per head it prefetches the next head's Q into its other
 buffer (double buffering), runs S = Q Kᵀ (WGMMA), masks the band element-wise (`band_mask`),
 takes the exact softmax in exp2 (scale folded into exp2's argument, one FMA per logit),
@@ -76,12 +77,6 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     o_smem = q_smem if o_smem is None else o_smem
     heads = G // W  # per warpgroup: group heads wg, wg + W, ...
 
-    @pl.when(wg == 0)
-    def _():
-        keys = (batch, pl.ds(lo * bkv, band), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, kv_ready.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, kv_ready.at[1])
-
     def head_of(t):
         return kv_head * G + wg + t * W
 
@@ -89,9 +84,17 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, ROWS), head_of(t)], q_smem.at[wg, buf],
                                 q_ready.at[wg * 2 + buf])
 
+    # The first Q, then K, then V: the first S GEMM waits for Q and K only, and V arrives under
+    # it and its softmax (awaited before the first P V).
     load_q(0, 0)
+
+    @pl.when(wg == 0)
+    def _():
+        keys = (batch, pl.ds(lo * bkv, band), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, kv_ready.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, kv_ready.at[1])
+
     plgpu.barrier_wait(kv_ready.at[0])
-    plgpu.barrier_wait(kv_ready.at[1])
     pv = parts.pv_from_smem if interpret else parts.pv_from_registers
     scale2 = spec.scale * parts.LOG2E
     cap = spec.logits_soft_cap
@@ -160,6 +163,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
             l = l + jnp.exp2(z - m_safe)
         acc = plgpu.layout_cast(jnp.zeros((ROWS, spec.v_dim), jnp.float32), plgpu.Layout.WGMMA)
         p_wg = None if p_smem is None else p_smem.at[wg]
+        pl.when(t == 0)(lambda: plgpu.barrier_wait(kv_ready.at[1]))  # V, once
         turn_wait()
         last = (t + 1 == heads) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
         acc = pv(acc, p.astype(dtype), v_smem, p_wg, lambda: turn_signal(skip=last))
