@@ -3,7 +3,7 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune | profile | probe_mosaic[:<args, comma-separated>] | ncu:<probe_mosaic args> | probe_train[:<args>] | probe_fp8[:<args>]
+#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune[:<args>] | profile | probe_mosaic[:<args, comma-separated>] | ncu:<probe_mosaic args> | probe_train[:<args>] | probe_fp8[:<args>]
 #   profile: benchmarks/probe_layer.py --profile (the guide's TransformerLayer step, bf16 and FP8,
 #   traced; where its GPU time goes, by category, XLA op and kernel) into $OUT/profile.log;
 #   PROFILE_ARGS for options, e.g. PROFILE_ARGS="--only transformer_layer_fp8".
@@ -15,7 +15,8 @@
 #   with `mkdir -p .ab/base && git archive <rev> src | tar -x -C .ab/base` and carry ".ab"
 #   (.gitignore has it), e.g. "base:probe_mosaic:--fwdbwd,..."
 #   "probe_mosaic:--fwdbwd,..." "base:probe_mosaic:..." "probe_mosaic:...".
-#   tune: `flashmesh tune` (TUNE_ARGS for options, e.g. "--backward --max-candidates 8"); the updated config table comes back as
+#   tune: `flashmesh tune` (TUNE_ARGS or the step's args for options, e.g. "tune:--backward,--max-candidates,8";
+#   two tune steps in one call: the second starts from the first's table); the updated config table comes back as
 #   $OUT/pallas_mosaic_gpu_configs.json.
 #   Results are written straight under $OUT/benchmarks/results (as each row is measured), so a
 #   step killed by its limit, or a call killed by the device's, still brings back what it did.
@@ -71,8 +72,9 @@ for step in "$@"; do
     train)
       timeout --signal=TERM "$limit" python3 -m flashmesh train --no-progress ${TRAIN_ARGS:-} \
         --out "$OUT/benchmarks/results" 2>&1 | tee -a "$OUT/train.log" | tail -30 ;;
-    tune)
-      timeout --signal=TERM "$limit" python3 -m flashmesh tune --no-progress ${TUNE_ARGS:-} \
+    tune|tune:*)  # e.g. tune:--backward,--shapes,seed000_gqa_swa (commas: spaces), after TUNE_ARGS
+      args="${step#tune}"; args="${args#:}"
+      timeout --signal=TERM "$limit" python3 -m flashmesh tune --no-progress ${TUNE_ARGS:-} ${args//,/ } \
         --out "$OUT/benchmarks/results" 2>&1 | tee -a "$OUT/tune.log" | tail -30
       cp src/flashmesh/attention/pallas_mosaic_gpu_configs.json "$OUT/" ;;
     profile)
