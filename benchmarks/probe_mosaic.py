@@ -226,13 +226,7 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
             print(f"  bwd mosaic {cfg or 'default'}: FAILED {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:400] if str(e) else ''}", flush=True)
             traceback.print_exc(limit=3)
-    rounds = {label: [] for label in timed}
-    for _ in range(3 if timed else 0):
-        for label, (f, _) in timed.items():
-            rounds[label].append(back_to_back(f, q, k, v, out, lse, do))
-    for label, ts in rounds.items():
-        print(f"  bwd mosaic {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
-              f"max rel err vs default {timed[label][1]:.1e}", flush=True)
+    alternated_rounds(timed, (q, k, v, out, lse, do), "bwd mosaic", "max rel err vs default")
     if alternated and not NAMED:  # where each config's device time goes, kernel by kernel
         # (not with --bwd-cfg, which a profiler may be holding: the CUPTI trace would compete)
         from flashmesh.bench.kernel_time import kernels_ms
@@ -272,19 +266,24 @@ def window_alone(q, k, v, window, out_ref):
             print(f"  window {label}: FAILED {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:400] if str(e) else ''}", flush=True)
             traceback.print_exc(limit=3)
-    rounds = {label: [] for label in timed}
-    for _ in range(3 if timed else 0):
-        for label, (f, _) in timed.items():
-            rounds[label].append(back_to_back(f, q, k, v))
-    for label, ts in rounds.items():
-        print(f"  window {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
-              f"rel err vs cudnn {timed[label][1]:.1e}", flush=True)
+    alternated_rounds(timed, (q, k, v), "window", "rel err vs cudnn")
     for label, (f, _) in timed.items():
         try:
             print(f"  kernels {label}: " + ", ".join(f"{name[:60]} {ms:.3f}" for name, ms in
                                                      kernels_ms(f, (q, k, v)).items()), flush=True)
         except Exception as e:  # a probe: report and go on
             print(f"  kernels {label}: FAILED {type(e).__name__}: {e}", flush=True)
+
+
+def alternated_rounds(timed: dict, args, what: str, err_name: str, rounds: int = 3):
+    """Each {label: (f, err)} timed back to back in `rounds` alternated rounds, one line each."""
+    times = {label: [] for label in timed}
+    for _ in range(rounds if timed else 0):
+        for label, (f, _) in timed.items():
+            times[label].append(back_to_back(f, *args))
+    for label, ts in times.items():
+        print(f"  {what} {label}: {' '.join(f'{t:.3f}' for t in ts)} ms (min {min(ts):.3f}), "
+              f"{err_name} {timed[label][1]:.1e}", flush=True)
 
 
 def back_to_back(f, *args, n=20):
