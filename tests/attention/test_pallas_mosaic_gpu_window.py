@@ -8,7 +8,8 @@ lowered for cuda and Mosaic's shared-memory count must equal `WindowBlockSizes.s
 Cases: causal window (128, 0) with GQA 4:1 shared by two warpgroups and a tail (T = 200),
 a two-sided window with T != S and the learnable sink (one warpgroup, MQA),
 the off-by-one sink with the soft cap and a 4-tile band, and bottom-right T > S with a
-narrow window, where whole query blocks see no key (out 0, lse EMPTY_ROW_LSE). Gradients go
+narrow window, where whole query blocks see no key (out 0, lse EMPTY_ROW_LSE); ping-pong with
+two heads and with one head per warpgroup (a hang in the interpreter if the turns unbalance). Gradients go
 through the registered backend (window forward, general backward) once.
 
 Tolerance: the forward tests' FlashAttention rule (semantics.assert_fa_rule); lse 1e-4.
@@ -41,6 +42,8 @@ CASES = [
      WindowBlockSizes(num_compute_wgs=1)),
     # ping-pong: two warpgroups taking turns on the named barriers, two heads each
     (Case("pingpong_gqa_two_wgs", T=100, S=100, N=4, K=1, window=(50, 0)),
+     WindowBlockSizes(pingpong=True)),
+    (Case("pingpong_one_head_each", T=64, S=80, N=2, K=1, window=(20, 5)),
      WindowBlockSizes(pingpong=True)),
 ]
 GPU_CASES = [
