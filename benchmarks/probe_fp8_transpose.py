@@ -94,7 +94,9 @@ def geometries(spec: str, small: bool):
         layouts.GEOMETRY = geometry
         for name, (fn, args, nbytes) in kernels.items():
             try:
-                f = jax.jit(fn)  # a new function per geometry: traced again with it
+                # a new function per geometry (jit caches traces by function: the geometry is
+                # read when tracing)
+                f = jax.jit(lambda *a, fn=fn: fn(*a))
                 out = jax.block_until_ready(f(*args))
                 got = [np.asarray(o).view(np.uint8) if o.dtype.itemsize == 1 else np.asarray(o)
                        for o in out if o is not None]

@@ -61,9 +61,11 @@ GPU_CASES = [
 ]
 
 
-def check_case(case: Case, bs: WindowBlockSizes, *, interpret: bool):
+def check_case(case: Case, bs: WindowBlockSizes, *, interpret: bool, scale: float | None = None,
+               q_mult: float = 1.0):
     q, k, v = make_inputs(case)
-    scale = 1.0 / np.sqrt(case.Dqk)
+    q = (q.astype(jnp.float32) * q_mult).astype(q.dtype)
+    scale = 1.0 / np.sqrt(case.Dqk) if scale is None else scale
     sink = make_sink(case)
     spec = sm90.spec_for(q, k, v, scale=scale, window=case.window, bottom_right=case.bottom_right,
                          logits_soft_cap=case.cap, softmax=case.softmax)
@@ -86,6 +88,16 @@ def check_case(case: Case, bs: WindowBlockSizes, *, interpret: bool):
 @pytest.mark.parametrize("case, bs", CASES, ids=lambda c: getattr(c, "name", ""))
 def test_window_interpret(case, bs, interpreter):
     check_case(case, bs, interpret=True)
+
+
+@pytest.mark.parametrize("scale, q_mult", [(-0.3, 1.0), (0.0, 1.0), (0.125, 30.0)],
+                         ids=["negative_scale", "zero_scale", "logits_near_700"])
+def test_window_scales_interpret(scale, q_mult, interpreter):
+    """The scale folded into exp2's argument only where it may be (scale > 0, no cap), and the
+    row max taken in the same units as the logits: logits near 700 underflow every exp2 if the
+    max is of the raw logits while the exponent is scaled."""
+    case = Case("scales", T=80, S=80, N=2, K=1, window=(30, 0))
+    check_case(case, WindowBlockSizes(pingpong=True), interpret=True, scale=scale, q_mult=q_mult)
 
 
 @pytest.mark.gpu

@@ -162,3 +162,14 @@ def test_quantize_both_kernel_geometries_equal_xla(geometry, monkeypatch):
     assert layouts.kernel_fits(jnp.zeros((rows, cols))) and not layouts.kernel_fits(jnp.zeros((rows, cols + 16)))
     with pytest.raises(ValueError, match=rf"multiples of \({rows}, {cols}\)"):
         layouts.quantize_both(jnp.zeros((rows + 16, cols)), scale, jnp.float8_e4m3fn, kernel=True)
+
+
+@pytest.mark.parametrize("geometry, words", [
+    (layouts.Geometry(48, 64), "rows must be a power of two >= 16, got 48"),
+    (layouts.Geometry(64, 8), "cols must be a power of two >= 16, got 8"),
+    (layouts.Geometry(64, 64, 3), "num_warps must be None or a power of two <= 16, got 3"),
+], ids=str)
+def test_quantize_both_refuses_geometries_triton_cannot_take(geometry, words, monkeypatch):
+    monkeypatch.setattr(layouts, "GEOMETRY", geometry)
+    with pytest.raises(ValueError, match=words):
+        layouts.quantize_both(jnp.zeros((192, 192)), jnp.ones(1), jnp.float8_e4m3fn, kernel=True)

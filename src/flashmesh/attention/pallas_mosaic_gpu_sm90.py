@@ -143,7 +143,8 @@ from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_drop
                                                             inputs_dropout_hash,
                                                             pad_to, spec_for)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, dropout_keep,
-                                                                for_each_tile, named_barrier,
+                                                                first_free_barrier, for_each_tile,
+                                                                named_barrier,
                                                                 persistent_tiles,
                                                                 pv_from_registers, pv_from_smem,
                                                                 ring_slot, stream_tiles,
@@ -297,8 +298,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
 
             # Ping-pong (FA3's warp scheduler barrier): warpgroup w waits on named barrier
             # base + w before issuing a block of GEMMs and then signals base + (w + 1) % W. Mosaic
-            # GPU owns barrier 0 and 1 + warpgroup index, so ours start after those.
-            base = W + 2
+            # GPU owns barrier 0 and 1 + warpgroup index (W compute + 1 memory warpgroup).
+            base = first_free_barrier(W + 1)
 
             def turn_wait():
                 if bs.pingpong:

@@ -27,6 +27,15 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
+MAX_NAMED_BARRIERS = 16  # hardware named barriers per CTA
+
+
+def first_free_barrier(num_warpgroups: int) -> int:
+    """The first hardware named barrier a kernel of num_warpgroups warpgroups may use: Mosaic GPU
+    owns barrier 0 (`gpu.barrier`) and 1 + warpgroup index (`warpgroup_barrier_idx`)."""
+    return num_warpgroups + 1
+
+
 def named_barrier(operation: str, num_threads: int):
     """`bar.sync` / `bar.arrive` on the hardware named barrier given as a traced int32, over
     num_threads threads (Mosaic GPU exposes named barriers only through inline PTX).

@@ -108,7 +108,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     # warpgroup's softmax runs under it. Warpgroup 0 skips its first wait and the last warpgroup
     # its last signal: every warpgroup runs G / W heads, so the barriers balance. Mosaic GPU
     # owns barrier 0 and 1 + warpgroup index; ours start after those.
-    base = W + 1
+    base = parts.first_free_barrier(W)
 
     def turn(operation: str, barrier, skip=None):
         if bs.pingpong:

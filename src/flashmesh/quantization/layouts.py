@@ -50,7 +50,15 @@ GEOMETRY = Geometry()
 
 
 def compiler_params():
-    """The Pallas Triton compiler params of GEOMETRY (None: Triton's defaults)."""
+    """The Pallas Triton compiler params of GEOMETRY (None: Triton's defaults); ValueError for a
+    geometry Triton cannot take. GEOMETRY is read when a kernel is traced: a jitted function
+    traced before it changed keeps the old one."""
+    rows, cols, warps = GEOMETRY
+    for name, n in (("rows", rows), ("cols", cols)):
+        if not isinstance(n, int) or n < 16 or n & (n - 1):
+            raise ValueError(f"layouts.GEOMETRY.{name} must be a power of two >= 16, got {n!r}")
+    if warps is not None and warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"layouts.GEOMETRY.num_warps must be None or a power of two <= 16, got {warps!r}")
     if GEOMETRY.num_warps is None:
         return None
     from jax.experimental.pallas import triton as pltriton
