@@ -14,15 +14,14 @@ softmax is exact in one pass (no online rescale).
 Structure: a grid over (64-position query block, kv head, batch); W compute warpgroups, no
 memory warpgroup. Warpgroup 0 loads the band's K and V once (one TMA each, nb * block_kv rows
 from tile `lo`, clamped so the band stays inside the padded keys), after the first Q, and the
-first head's S GEMM waits only for K. Warpgroup w then takes the
-group's query heads w, w + W, ...: per head it prefetches the next head's Q into its other
-buffer (double buffering), runs S = Q Kᵀ (WGMMA), masks the band element-wise (`band_mask`),
-takes the exact softmax in exp2 (scale folded into exp2's argument, one FMA per logit),
-O = P V (P from registers), and stores O from its Q buffer and lse by TMA while the next head
-computes. With `WindowBlockSizes.pingpong` the two warpgroups take turns issuing their GEMMs
-(named barriers, as the general kernel), so one's softmax runs under the other's GEMMs. K/V
-traffic from L2 is divided
-by G against the general kernel, and each query block meets ceil((63 + left + right) /
+first head's S GEMM waits only for K. Warpgroup w then takes the group's query heads w, w + W,
+...: per head it prefetches the next head's Q into its other buffer (double buffering), runs
+S = Q Kᵀ (WGMMA), masks the band element-wise (`band_mask`), takes the exact softmax in exp2
+(scale folded into exp2's argument, one FMA per logit), O = P V (P from registers), and stores
+O from its Q buffer and lse by TMA while the next head computes. With
+`WindowBlockSizes.pingpong` the two warpgroups take turns issuing their GEMMs (named barriers,
+as the general kernel), so one's softmax runs under the other's GEMMs. K/V traffic from L2 is
+divided by G against the general kernel, and each query block meets ceil((63 + left + right) /
 block_kv) + 1 tiles instead of the 128-row tile's.
 
 Implemented: causal and (left, right) windows in both alignments, any scale, GQA/MQA,
