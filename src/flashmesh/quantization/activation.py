@@ -197,9 +197,7 @@ def _forward_kernel(h, bias, scale, acts, dtype, *, interpret: bool):
     q, qt, tiles = pl.pallas_call(
         body, grid=grid,
         in_specs=_specs(n, J, bias, lambda c: c) + [pl.BlockSpec((1,), lambda i, c: (0,))],
-        out_specs=[pl.BlockSpec((R, C), lambda i, c: (i, c)),
-                   pl.BlockSpec((C, R), lambda i, c: (c, i)),
-                   pl.BlockSpec((1, 1), lambda i, c: (i, c))],
+        out_specs=layouts.output_specs(),
         out_shape=[jax.ShapeDtypeStruct((M, F), dtype), jax.ShapeDtypeStruct((F, M), dtype),
                    jax.ShapeDtypeStruct(grid, jnp.float32)],
         compiler_params=layouts.compiler_params(), interpret=interpret,
@@ -234,9 +232,7 @@ def _backward_kernel(g, h, bias, scale, acts, dtype, *, interpret: bool):
 
     grid = (M // R, n * J)
     operands = [g] + [h] * n + ([bias] * n if has_bias else []) + [scale.reshape(1).astype(jnp.float32)]
-    out_specs = [pl.BlockSpec((R, C), lambda i, c: (i, c)),
-                 pl.BlockSpec((C, R), lambda i, c: (c, i)),
-                 pl.BlockSpec((1, 1), lambda i, c: (i, c))]
+    out_specs = layouts.output_specs()
     out_shape = [jax.ShapeDtypeStruct((M, n * F), dtype), jax.ShapeDtypeStruct((n * F, M), dtype),
                  jax.ShapeDtypeStruct(grid, jnp.float32)]
     if has_bias:  # each row tile's column sums, summed below (M / R rows of float32)

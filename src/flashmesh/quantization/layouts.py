@@ -49,6 +49,16 @@ class Geometry(NamedTuple):
 GEOMETRY = Geometry()
 
 
+def output_specs():
+    """The Pallas out-specs every quantise kernel writes at program (i, j) of GEOMETRY: q's tile,
+    q.T's tile and the tile's amax."""
+    from jax.experimental import pallas as pl
+
+    R, C = GEOMETRY.rows, GEOMETRY.cols
+    return [pl.BlockSpec((R, C), lambda i, j: (i, j)), pl.BlockSpec((C, R), lambda i, j: (j, i)),
+            pl.BlockSpec((1, 1), lambda i, j: (i, j))]
+
+
 def compiler_params():
     """The Pallas Triton compiler params of GEOMETRY (None: Triton's defaults); ValueError for a
     geometry Triton cannot take. GEOMETRY is read when a kernel is traced: a jitted function
@@ -159,9 +169,7 @@ def _kernel(x, scale, dtype, *, interpret: bool):
     q, qt, tiles = pl.pallas_call(
         body, grid=grid,
         in_specs=[pl.BlockSpec((R, C), lambda i, j: (i, j)), pl.BlockSpec((1,), lambda i, j: (0,))],
-        out_specs=[pl.BlockSpec((R, C), lambda i, j: (i, j)),
-                   pl.BlockSpec((C, R), lambda i, j: (j, i)),
-                   pl.BlockSpec((1, 1), lambda i, j: (i, j))],
+        out_specs=output_specs(),
         out_shape=[jax.ShapeDtypeStruct((M, K), dtype), jax.ShapeDtypeStruct((K, M), dtype),
                    jax.ShapeDtypeStruct(grid, jnp.float32)],
         compiler_params=compiler_params(), interpret=interpret,
