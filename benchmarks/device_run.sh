@@ -3,7 +3,7 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune[:<args>] | profile | probe_mosaic[:<args, comma-separated>] | ncu:<probe_mosaic args> | probe_train[:<args>] | probe_fp8[:<args>]
+#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune[:<args>] | profile | probe_mosaic[:<args, comma-separated>] | ncu:<probe_mosaic args> | probe_train[:<args>] | probe_fp8[:<args>] | probe_gap[:<args>]
 #   profile: benchmarks/probe_layer.py --profile (the guide's TransformerLayer step, bf16 and FP8,
 #   traced; where its GPU time goes, by category, XLA op and kernel) into $OUT/profile.log;
 #   PROFILE_ARGS for options, e.g. PROFILE_ARGS="--only transformer_layer_fp8".
@@ -83,6 +83,9 @@ for step in "$@"; do
     probe_train|probe_train:*)  # e.g. probe_train:--only,bf16 (commas: spaces)
       args="${step#probe_train}"; args="${args#:}"; mkdir -p /tmp/flashmesh-trace
       timeout "$limit" python3 benchmarks/probe_train.py --profile /tmp/flashmesh-trace ${args//,/ } 2>&1 | tee -a "$OUT/probe_train.log" ;;
+    probe_gap|probe_gap:*)  # benchmarks/probe_gap.py: back to back against kernel time (args as probe_mosaic's)
+      args="${step#probe_gap}"; args="${args#:}"
+      timeout "$limit" python3 benchmarks/probe_gap.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_gap.log" ;;
     probe_fp8|probe_fp8:*)  # benchmarks/probe_fp8_transpose.py (args as probe_mosaic's)
       args="${step#probe_fp8}"; args="${args#:}"
       timeout "$limit" python3 benchmarks/probe_fp8_transpose.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_fp8.log" ;;
