@@ -54,9 +54,10 @@ for step in "$@"; do
   echo "=== $step on $tree (limit ${limit}s) $(date -u +%T)"
   case "$step" in
     tests|tests:*)
-      # 4 workers share the GPU (compilation is the slow part); each takes a fifth of its memory.
+      # 4 workers share the GPU (compilation is the slow part); each takes a fifth of its memory;
+      # --dist load spreads the few files of GPU cases over them (pyproject says loadfile, for CI).
       select="${step#tests}"; select="${select#:}"
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "$limit" python3 -m pytest -m gpu tests -n 4 -v -rfEs \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "$limit" python3 -m pytest -m gpu tests -n 4 --dist load -v -rfEs \
         ${select:+-k "$select"} -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 \
         | tee -a "$OUT/gpu_tests.log" | tail -60 ;;
     explore:*)
