@@ -10,7 +10,7 @@ For each shape and implementation, with the bench's own fwd+bwd step (`runner._s
 back to back (20 calls, three rounds alternated over the implementations), then one trace of
 20 calls back to back read by `trace_table.profile_table` (kernel sum, span, busy, idle and the
 longest gaps, per call) beside the bench's 5-call kernel time; SM clocks and power sampled by
-nvidia-smi while the calls run. Idle in the 20-call trace explains the gap as launch time; kernel
+nvidia-smi while the calls run; then back to back over runs of 5, 20 and 80 calls. Idle in the 20-call trace explains the gap as launch time; kernel
 sums that grow with the run's length explain it as clocks.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probe_gap.py [--impls a,b,...] [--mode fwdbwd] SHAPE ...
@@ -27,6 +27,7 @@ from flashmesh.bench.kernel_time import kernel_ms
 from trace_table import profile_table
 
 CALLS = 20
+RUN_LENGTHS = (5, 20, 80)  # per-call time rising with the run's length points at clocks
 IMPLS = "cudnn,flashmesh:pallas_mosaic_gpu,fa3"
 
 
@@ -99,9 +100,11 @@ def main():
                     jax.block_until_ready([compiled(*call_args) for _ in range(CALLS)])
                 table = profile_table(trace_dir, CALLS, top=8)
             five = kernel_ms(compiled, call_args, 5)
+            by_n = {n: timing.back_to_back(compiled, call_args, n) for n in RUN_LENGTHS}
             print(f"== {shape.name} {args.mode} {label}: back to back "
                   f"{' '.join(f'{t:.3f}' for t in b2b[label])} ms (min {min(b2b[label]):.3f}); "
-                  f"kernel time of 5 calls {five if five is None else round(five, 3)} ms; {clocks}",
+                  f"kernel time of 5 calls {five if five is None else round(five, 3)} ms; {clocks}; "
+                  "per call by run length: " + ", ".join(f"{n} calls {t:.3f}" for n, t in by_n.items()),
                   flush=True)
             print(f"   {CALLS} calls traced: " + table.replace("\n", "\n   "), flush=True)
 
