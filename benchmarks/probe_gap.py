@@ -9,8 +9,8 @@ busy longer (clocks lowered under sustained power) than in the profiler's five c
 For each shape and implementation, with the bench's own fwd+bwd step (`runner._step`) and inputs:
 back to back (20 calls, three rounds alternated over the implementations), then one trace of
 20 calls back to back read by `trace_table.profile_table` (kernel sum, span, busy, idle and the
-longest gaps, per call) beside the bench's 5-call kernel time; SM clocks and power sampled by
-nvidia-smi while the calls run; then back to back over runs of 5, 20 and 80 calls. Idle in the 20-call trace explains the gap as launch time; kernel
+longest gaps, per call) beside the bench's 5-call kernel time; then back to back over runs of
+5, 20 and 80 calls, SM clocks and power sampled by nvidia-smi meanwhile. Idle in the 20-call trace explains the gap as launch time; kernel
 sums that grow with the run's length explain it as clocks.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probe_gap.py [--impls a,b,...] [--mode fwdbwd] SHAPE ...
@@ -95,12 +95,13 @@ def main():
             for label, compiled in rows.items():
                 b2b[label].append(timing.back_to_back(compiled, call_args, CALLS))
         for label, compiled in rows.items():
-            with Clocks() as clocks, tempfile.TemporaryDirectory() as trace_dir:
+            with tempfile.TemporaryDirectory() as trace_dir:
                 with jax.profiler.trace(trace_dir):
                     jax.block_until_ready([compiled(*call_args) for _ in range(CALLS)])
                 table = profile_table(trace_dir, CALLS, top=8)
             five = kernel_ms(compiled, call_args, 5)
-            by_n = {n: timing.back_to_back(compiled, call_args, n) for n in RUN_LENGTHS}
+            with Clocks() as clocks:  # sampled over the untraced runs
+                by_n = {n: timing.back_to_back(compiled, call_args, n) for n in RUN_LENGTHS}
             print(f"== {shape.name} {args.mode} {label}: back to back "
                   f"{' '.join(f'{t:.3f}' for t in b2b[label])} ms (min {min(b2b[label]):.3f}); "
                   f"kernel time of 5 calls {five if five is None else round(five, 3)} ms; {clocks}; "
