@@ -10,8 +10,8 @@ For each shape and implementation, with the bench's own fwd+bwd step (`runner._s
 back to back (20 calls, three rounds alternated over the implementations), then one trace of
 20 calls back to back read by `trace_table.profile_table` (kernel sum, span, busy, idle and the
 longest gaps, per call) beside the bench's 5-call kernel time; then back to back over runs of
-5, 20 and 80 calls, SM clocks and power sampled by nvidia-smi meanwhile. Idle in the 20-call trace explains the gap as launch time; kernel
-sums that grow with the run's length explain it as clocks.
+5, 20 and 80 calls, SM clocks and power sampled by nvidia-smi meanwhile. Idle time in the trace
+explains the gap as launches; a per-call time that grows with the run's length, as clocks.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probe_gap.py [--impls a,b,...] [--mode fwdbwd] SHAPE ...
 """
