@@ -22,7 +22,7 @@ import tempfile
 import jax
 import numpy as np
 
-from flashmesh.bench import implementations, runner, shapes, timing
+from flashmesh.bench import cli, implementations, runner, shapes, timing
 from flashmesh.bench.kernel_time import kernel_ms
 from trace_table import profile_table
 
@@ -31,11 +31,9 @@ RUN_LENGTHS = (5, 20, 80)  # per-call time rising with the run's length points a
 IMPLS = "cudnn,flashmesh:pallas_mosaic_gpu,fa3"
 
 
-def anchor(name: str) -> shapes.Shape:
-    every = {s.name: s for s in (*shapes.ANCHOR_SHAPES, *shapes.WORKLOAD_SHAPES, *shapes.DOCUMENT_SHAPES)}
-    if name not in every:
-        raise SystemExit(f"shape {name!r} must be one of {sorted(every)}")
-    return every[name]
+def named(names: list[str], platform: str) -> list[shapes.Shape]:
+    """The anchors preset's shapes of these names (the bench's --shapes lookup and its error)."""
+    return [s for group in cli._find_shapes(names, [shapes.anchors(platform)]) for s in group.shapes]
 
 
 class Clocks:
@@ -76,7 +74,7 @@ def main():
     p.add_argument("--mode", default="fwdbwd", choices=("fwd", "fwdbwd"))
     args = p.parse_args()
     platform = runner.platform()
-    for shape in map(anchor, args.shapes):
+    for shape in named(args.shapes, platform):
         q, k, v, seg, do = runner.make_inputs(shape, "bf16", 0)
         call_args = (q, k, v, seg) if args.mode == "fwd" else (q, k, v, seg, do)
         rows = {}
