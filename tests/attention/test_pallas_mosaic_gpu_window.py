@@ -9,8 +9,9 @@ Cases: causal window (128, 0) with GQA 4:1 shared by two warpgroups and a tail (
 a two-sided window with T != S and the learnable sink (one warpgroup, MQA),
 the off-by-one sink with the soft cap and a 4-tile band, and bottom-right T > S with a
 narrow window, where whole query blocks see no key (out 0, lse EMPTY_ROW_LSE); ping-pong with
-two heads and with one head per warpgroup (a hang in the interpreter if the turns unbalance). Gradients go
-through the registered backend (window forward, general backward) once.
+two heads and with one head per warpgroup (a hang in the interpreter if the turns unbalance);
+rings of three and four Q slots (`q_buffers`) that the heads go round more than once. Gradients
+go through the registered backend (window forward, general backward) once.
 
 Tolerance: the forward tests' FlashAttention rule (semantics.assert_fa_rule); lse 1e-4.
 """
@@ -45,6 +46,12 @@ CASES = [
      WindowBlockSizes(pingpong=True)),
     (Case("pingpong_one_head_each", T=64, S=80, N=2, K=1, window=(20, 5)),
      WindowBlockSizes(pingpong=True)),
+    # a ring of Q slots: five heads a warpgroup go round three slots (two loads ahead) with
+    # O in Q's slot; three heads round four slots with O in slots of its own (Dqk != Dv)
+    (Case("q_ring_3_five_heads", T=70, S=70, N=5, K=1, window=(40, 0)),
+     WindowBlockSizes(num_compute_wgs=1, q_buffers=3)),
+    (Case("q_ring_4_pingpong_mla", T=64, S=64, N=6, K=1, Dqk=64, Dv=32, window=(30, 0)),
+     WindowBlockSizes(pingpong=True, q_buffers=4)),
 ]
 GPU_CASES = [
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -58,6 +65,10 @@ GPU_CASES = [
      WindowBlockSizes(pingpong=True)),
     (Case("off_by_one_cap_pingpong", T=192, S=192, N=2, K=1, window=(100, 10), cap=2.0,
           softmax="off_by_one"), WindowBlockSizes(pingpong=True)),
+    (Case("seed_heads_w128_q_ring_4", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128, window=(128, 0)),
+     WindowBlockSizes(q_buffers=4)),
+    (Case("seed_heads_w128_pingpong_q_ring_3", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128,
+          window=(128, 0)), WindowBlockSizes(pingpong=True, q_buffers=3)),
 ]
 
 
@@ -129,13 +140,15 @@ def test_gradients_through_the_backend_interpret(interpreter):
         rel_l2(name, a, b, 1e-2)
 
 
-@pytest.mark.parametrize("T, N, K, D, Dv, win, softmax, cap, pingpong", [
-    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, False),
-    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, True),
-    (1000, 4, 2, 128, 64, (100, 30), "learnable", 5.0, True),
-    (512, 2, 1, 64, 64, (64, 64), "off_by_one", None, False),
+@pytest.mark.parametrize("T, N, K, D, Dv, win, softmax, cap, pingpong, q_buffers", [
+    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, False, 2),
+    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, True, 2),
+    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, True, 4),  # 226 KB of 227
+    (1000, 4, 2, 128, 64, (100, 30), "learnable", 5.0, True, 2),
+    (1000, 4, 2, 128, 64, (64, 0), "learnable", 5.0, True, 3),  # O in slots of its own
+    (512, 2, 1, 64, 64, (64, 64), "off_by_one", None, False, 2),
 ])
-def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong):
+def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_buffers):
     from jax.experimental.mosaic.gpu import core as mosaic_core
 
     q = jax.ShapeDtypeStruct((2, T, N, D), jnp.bfloat16)
@@ -143,7 +156,7 @@ def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong):
     v = jax.ShapeDtypeStruct((2, T, K, Dv), jnp.bfloat16)
     sink = jax.ShapeDtypeStruct((N,), jnp.float32) if softmax == "learnable" else None
     spec = sm90.spec_for(q, k, v, scale=0.1, window=win, softmax=softmax, logits_soft_cap=cap)
-    bs = WindowBlockSizes(pingpong=pingpong)
+    bs = WindowBlockSizes(pingpong=pingpong, q_buffers=q_buffers)
 
     def lower():
         f = jax.jit(lambda q, k, v, s: window.forward_spec(q, k, v, spec, sink=s, block_sizes=bs))
@@ -190,6 +203,12 @@ def test_where_it_applies_and_is_chosen():
         WindowBlockSizes(num_compute_wgs=1, pingpong=True)
     with pytest.raises(ValueError, match="pingpong must be a bool"):
         WindowBlockSizes(pingpong=1)
+    with pytest.raises(ValueError, match="q_buffers=5 must be 2, 3 or 4"):
+        WindowBlockSizes(q_buffers=5)
+    # the seed shape takes four Q slots a warpgroup (226 KB), not five of anything larger
+    assert WindowBlockSizes(q_buffers=4).smem_bytes(seed) <= common.SMEM_BYTES
+    assert "shared memory" in common.window_reason(_spec(mask="causal", window=(128, 0), D=256),
+                                                   WindowBlockSizes(q_buffers=3))
     fields = common.config_fields(bs)
     assert fields["kernel"] == "window" and common.forward_config(fields) == bs
     assert dataclasses.asdict(common.forward_config({"block_q": 128})) == dataclasses.asdict(

@@ -406,11 +406,14 @@ class WindowBlockSizes:
     16-bit inputs), num_compute_wgs warpgroups sharing the group's heads (1 or 2; G must be a
     multiple). pingpong: the warpgroups take turns issuing their GEMMs (FA3's warp scheduler
     barrier, as `BlockSizes.pingpong`), so one warpgroup's softmax runs under the other's
-    GEMMs; needs 2 warpgroups."""
+    GEMMs; needs 2 warpgroups. q_buffers: each warpgroup's ring of Q tiles (its O staged in
+    the same slot), so the next q_buffers - 1 heads' Q loads are in flight under a head's work
+    (2: double buffering)."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
     pingpong: bool = False
+    q_buffers: int = 2
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -422,6 +425,8 @@ class WindowBlockSizes:
         if self.pingpong and self.num_compute_wgs < 2:
             raise ValueError(f"WindowBlockSizes.pingpong=True needs num_compute_wgs=2, got "
                              f"{self.num_compute_wgs}")
+        if self.q_buffers not in (2, 3, 4):
+            raise ValueError(f"WindowBlockSizes.q_buffers={self.q_buffers!r} must be 2, 3 or 4")
 
     def band_tiles(self, spec: AttentionSpec) -> int:
         """Key tiles in every block's band: the most any 64-position block meets, at most the
@@ -438,18 +443,19 @@ class WindowBlockSizes:
         return self
 
     def smem_bytes(self, spec: AttentionSpec) -> int:
-        """Shared memory as Mosaic GPU counts it: the K and V band, two Q buffers (O staged
-        there when Dqk == Dv, else two O buffers) and two lse rows per warpgroup, P for the
+        """Shared memory as Mosaic GPU counts it: the K and V band, q_buffers Q buffers (O staged
+        there when Dqk == Dv, else as many O buffers) and lse rows per warpgroup, P for the
         interpreter excluded, 8 bytes per barrier."""
         size, W, band = jnp.dtype(spec.dtype).itemsize, self.num_compute_wgs, self.band_tiles(spec) * self.block_kv
+        slots = W * self.q_buffers
 
         def aligned(n):
             return -(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
-        o = 0 if spec.qk_dim == spec.v_dim else aligned(W * 2 * WINDOW_ROWS * spec.v_dim * size)
+        o = 0 if spec.qk_dim == spec.v_dim else aligned(slots * WINDOW_ROWS * spec.v_dim * size)
         return (aligned(band * spec.qk_dim * size) + aligned(band * spec.v_dim * size)
-                + aligned(W * 2 * WINDOW_ROWS * spec.qk_dim * size) + o + aligned(W * 2 * WINDOW_ROWS * 4)
-                + 8 * (2 + 2 * W))
+                + aligned(slots * WINDOW_ROWS * spec.qk_dim * size) + o + aligned(slots * WINDOW_ROWS * 4)
+                + 8 * (2 + slots))
 
 
 def window_reason(spec: AttentionSpec, bs: "WindowBlockSizes | None" = None) -> str | None:

@@ -15,10 +15,12 @@ Structure: a grid over (64-position query block, kv head, batch); W compute warp
 memory warpgroup. Warpgroup 0 loads the band's K and V once (one TMA each, nb * block_kv rows
 from tile `lo`, clamped so the band stays inside the padded keys), after the first Q, and the
 first head's S GEMM waits only for K. Warpgroup w then takes the group's query heads w, w + W,
-...: per head it prefetches the next head's Q into its other buffer (double buffering), runs
-S = Q Kᵀ (WGMMA), masks the band element-wise (`band_mask`), takes the exact softmax in exp2
-(scale folded into exp2's argument, one FMA per logit), O = P V (P from registers), and stores
-O from its Q buffer and lse by TMA while the next head computes. With
+...: per head it loads the Q of the head `WindowBlockSizes.q_buffers` - 1 ahead into the slot
+the last head's O has left (2 buffers: double buffering; 3 or 4 keep more loads in flight for
+the memory-bound kernel, Q and O being nearly all its traffic), runs S = Q Kᵀ (WGMMA), masks
+the band element-wise (`band_mask`), takes the exact softmax in exp2 (scale folded into exp2's
+argument, one FMA per logit), O = P V (P from registers), and stores O from its Q buffer and
+lse by TMA while the next head computes. With
 `WindowBlockSizes.pingpong` the two warpgroups take turns issuing their GEMMs (named barriers,
 as the general kernel), so one's softmax runs under the other's GEMMs. K/V traffic from L2 is
 divided by G against the general kernel, and each query block meets ceil((63 + left + right) /
@@ -62,9 +64,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
             nb: int, interpret: bool):
     # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv], sink_ref [N] f32
     # (the sink logit) or None; out_ref [B, Tp, N, Dv], lse_ref [B, N, Tp] f32.
-    # k_smem [band, Dqk], v_smem [band, Dv]; q_smem [W, 2, 64, Dqk]; o_smem [W, 2, 64, Dv] or
-    # None (O in the Q buffer); lse_smem [W, 2, 64] f32; p_smem [W, 64, band] or None.
-    W, bkv, G = bs.num_compute_wgs, bs.block_kv, spec.group_size
+    # k_smem [band, Dqk], v_smem [band, Dv]; q_smem [W, nq, 64, Dqk]; o_smem [W, nq, 64, Dv] or
+    # None (O in the Q buffer); lse_smem [W, nq, 64] f32; p_smem [W, 64, band] or None
+    # (nq = bs.q_buffers: head t's Q, then its O, in slot t % nq).
+    W, bkv, G, nq = bs.num_compute_wgs, bs.block_kv, spec.group_size, bs.q_buffers
     band, dtype = nb * bkv, jnp.dtype(spec.dtype)
     block, kv_head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
@@ -81,10 +84,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
 
     def load_q(t, buf):
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, ROWS), head_of(t)], q_smem.at[wg, buf],
-                                q_ready.at[wg * 2 + buf])
+                                q_ready.at[wg * nq + buf])
 
     # The first Q, then K, then V: the first S GEMM waits for Q and K only, and V arrives under
-    # it and its softmax (awaited before the first P V).
+    # it and its softmax (awaited before the first P V). Then the next nq - 2 heads' Q: head t
+    # loads head t + nq - 1's, so nq - 1 loads stay in flight.
     load_q(0, 0)
 
     @pl.when(wg == 0)
@@ -92,6 +96,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         keys = (batch, pl.ds(lo * bkv, band), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, kv_ready.at[0])
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, kv_ready.at[1])
+
+    for t in range(1, min(nq - 1, heads)):
+        load_q(t, t)
 
     plgpu.barrier_wait(kv_ready.at[0])
     pv = parts.pv_from_smem if interpret else parts.pv_from_registers
@@ -121,10 +128,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         turn("arrive", base + lax.rem(wg + 1, W), skip)
 
     def one_head(t, carry):
-        buf = lax.rem(t, 2)
+        buf = lax.rem(t, nq)
         head = head_of(t)
 
-        plgpu.barrier_wait(q_ready.at[wg * 2 + buf])
+        plgpu.barrier_wait(q_ready.at[wg * nq + buf])
 
         def qk(s_ref):
             turn_wait(skip=(t == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
@@ -134,10 +141,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
 
-        @pl.when(t + 1 < heads)  # the next head's Q into the other buffer, once its O is out
-        def _():  # (after this head's S: the last head's O store had that GEMM to finish)
+        @pl.when(t + nq - 1 < heads)  # head t + nq - 1's Q into the last head's slot, once its
+        def _():  # O is out (after this head's S: the last head's O store had that GEMM to finish)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            load_q(t + 1, 1 - buf)
+            load_q(t + nq - 1, lax.rem(t + nq - 1, nq))
 
         if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
             e = jnp.exp2(s * (2.0 * parts.LOG2E * spec.scale / cap))
@@ -197,13 +204,13 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
     nb, W, dtype = bs.band_tiles(spec), bs.num_compute_wgs, jnp.dtype(spec.dtype)
     q = pad_to(q, 1, ROWS)
     k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
-    band, Tp = nb * bs.block_kv, q.shape[1]
+    band, Tp, nq = nb * bs.block_kv, q.shape[1], bs.q_buffers
     scratch = [smem_tile((band, spec.qk_dim), dtype), smem_tile((band, spec.v_dim), dtype),
-               smem_tile((W, 2, ROWS, spec.qk_dim), dtype),
-               None if spec.qk_dim == spec.v_dim else smem_tile((W, 2, ROWS, spec.v_dim), dtype),
-               plgpu.SMEM((W, 2, ROWS), jnp.float32),
+               smem_tile((W, nq, ROWS, spec.qk_dim), dtype),
+               None if spec.qk_dim == spec.v_dim else smem_tile((W, nq, ROWS, spec.v_dim), dtype),
+               plgpu.SMEM((W, nq, ROWS), jnp.float32),
                smem_tile((W, ROWS, band), dtype) if interpret else None,
-               plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2 * W)]
+               plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=nq * W)]
 
     def entry(q_ref, k_ref, v_ref, *refs):
         sink_ref = refs[0] if sink is not None else None

@@ -74,8 +74,9 @@ def candidates(spec, limit: int | None = None) -> list:
         default = common.heuristic(spec)
     grid = itertools.product(SEARCH["tiles"], SEARCH["block_kv"], SEARCH["num_stages"],
                              SEARCH["intra_wg_overlap"])
-    windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w, pingpong=p)
-               for kv, w, p in itertools.product((64, 128), (2, 1), (False, True)) if w == 2 or not p)
+    windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w, pingpong=p, q_buffers=nq)
+               for kv, w, p, nq in itertools.product((64, 128), (2, 1), (False, True), (2, 3, 4))
+               if w == 2 or not p)
     persistent = ([dataclasses.replace(default, persistent=p, reuse_q_for_o=r) for p, r in PERSISTENT]
                   if isinstance(default, common.BlockSizes) and default.num_splits == 1 else [])
     for bs in itertools.chain([default], persistent, windows, (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
@@ -128,13 +129,14 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
     tune_backward.write_entries(table, [r for r in results if r.get("kernel") == "backward"], meta)
     for res in tune_measure.unshared([r for r in results if r.get("kernel") != "backward"], "tune"):
         best = res["best"]
-        fields = (("kernel", "block_kv", "num_compute_wgs") if best.get("kernel") == "window" else
-                  ("block_q", "block_kv", "num_stages", "num_compute_wgs", "intra_wg_overlap"))
-        # the schedule flags only where they differ from BlockSizes' defaults
-        defaults = dataclasses.asdict(common.BlockSizes())
+        if best.get("kernel") == "window":  # every field that differs from WindowBlockSizes' defaults
+            fields, flags = ("kernel", "block_kv", "num_compute_wgs"), ("pingpong", "q_buffers")
+            defaults = dataclasses.asdict(common.WindowBlockSizes())
+        else:  # the schedule flags only where they differ from BlockSizes' defaults
+            fields = ("block_q", "block_kv", "num_stages", "num_compute_wgs", "intra_wg_overlap")
+            flags, defaults = ("persistent", "reuse_q_for_o"), dataclasses.asdict(common.BlockSizes())
         config = {f: best[f] for f in fields} | {
-            f: best[f] for f in ("persistent", "reuse_q_for_o")
-            if best.get("kernel") != "window" and f in best and best[f] != defaults[f]}
+            f: best[f] for f in flags if f in best and best[f] != defaults[f]}
         entry = tune_measure.table_entry(entries, res["shape"], res["key"])
         best_row = next((r for r in res["rows"] if r.get("config") == best), {})
         if best_row.get("compile_s") is not None:  # what explain reports as its compile time
