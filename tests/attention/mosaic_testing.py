@@ -20,6 +20,7 @@ def rel_l2(name: str, actual, expected, tol: float) -> float:
     a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
     assert a.shape == e.shape, (name, a.shape, e.shape)
     assert np.isfinite(a).all(), f"{name}: {np.sum(~np.isfinite(a))} non-finite elements"
+    assert np.isfinite(e).all(), f"{name}: {np.sum(~np.isfinite(e))} non-finite expected elements"
     err = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
     if err > tol:
         idx = np.unravel_index(np.argmax(np.abs(a - e)), a.shape)

@@ -483,10 +483,11 @@ def _worst(actual, expected):
     e = np.asarray(expected, np.float64)
     if a.shape != e.shape:
         raise AssertionError(f"shape {a.shape} != expected {e.shape}")
-    bad = ~np.isfinite(a)
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise AssertionError(f"non-finite value {a[idx]} at {idx} ({bad.sum()} in all)")
+    for what, x in (("value", a), ("expected value", e)):  # a NaN in either would pass err > tol
+        bad = ~np.isfinite(x)
+        if bad.any():
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise AssertionError(f"non-finite {what} {x[idx]} at {idx} ({bad.sum()} in all)")
     err = np.abs(a - e)
     idx = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape)) if err.size else ()
     return (float(err[idx]) if err.size else 0.0), idx, a, e

@@ -228,6 +228,19 @@ def test_padding_descriptor_reads_trailing_padding_only():
     np.testing.assert_array_equal(np.asarray(lens), [3, S])  # 3 visible keys: length 3
 
 
+def test_traced_masks_that_are_not_trailing_padding_give_nan_rows():
+    """Under jit (`_run`'s apply) a mask lengths cannot express makes its row NaN; the other
+    rows are exact."""
+    xq, xkv = _x(4), _x(5, S)
+    mask, vis = _padding_mask([T, 3], [4, S], T, S)
+    holes = mask.at[0, 0, :, 1].set(True)
+    mha = MultiHeadAttention(head_dim=H, num_attention_heads=N, attn_mask_type="padding")
+    variables, out, _ = _run(mha, xq, xkv, holes)
+    assert np.isnan(np.asarray(out[0])).all()
+    want = reference(variables["params"], xq, xkv, visible=vis, self_attn=False)
+    _close(out[1], want[1])
+
+
 def test_mask_ignored_for_causal_and_none_mask_for_padding():
     x = _x(6)
     mask, _ = _padding_mask([3, 4], [3, 4], T, T)

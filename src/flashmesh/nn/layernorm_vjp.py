@@ -45,9 +45,13 @@ def normalize(x: jax.Array, gamma: jax.Array, bias: jax.Array | None, *, rms: bo
     """x [..., H] normalised over H, times gamma [H] (float32, zero-centring already added), plus
     bias [H] (None: no bias), in x's dtype. kernel: LayerNorm's backward, True the Pallas kernel
     (interpret mode off a GPU; a ValueError where x does not fit it), False autodiff, None the
-    kernel where it fits on a lone CUDA device. RMSNorm always differentiates by autodiff."""
+    kernel where it fits on a lone CUDA device. RMSNorm always differentiates by autodiff
+    (kernel None or False; True is a ValueError)."""
     if x.ndim < 1 or gamma.shape != x.shape[-1:]:
         raise ValueError(f"gamma must have shape {x.shape[-1:]} (x's last axis), got {gamma.shape}")
+    if rms and kernel:
+        raise ValueError("kernel=True: the backward kernel is LayerNorm's; rms=True differentiates "
+                         "by autodiff (kernel None or False)")
     if kernel and not kernel_fits(x):
         raise ValueError(f"x of shape {x.shape} and dtype {x.dtype} does not fit the LayerNorm kernel: "
                          f"H a power of two in [64, 16384], rows a multiple of {ROWS_PER_PROGRAM}, "

@@ -25,7 +25,8 @@ only for the padding types ('padding', 'padding_causal', ...) and ignored for 'n
 it sees any key, a key if any query sees it): `SequenceDescriptor.from_seqlens`, the form the
 fused kernels take, exactly as TE's fused attention reads masks. So padding must trail each
 sequence; when the mask is concrete (outside jit) any other pattern is refused with a
-ValueError, under jit it is read as trailing padding. The causal part comes from the mask
+ValueError, under jit the rows of any other pattern come out NaN (never silently wrong: lengths
+cannot express them, and a traced mask cannot raise). The causal part comes from the mask
 type, so a mask may include it or not. A query that sees no key returns exactly 0 (zero
 gradient). A padding type with mask=None means no padding. Other patterns: pass a bias.
 
@@ -97,27 +98,36 @@ def padding_descriptor(mask, B: int, T: int, S: int, *, causal: bool,
     """TE's padding mask [B, 1, T, S] (True = masked out) as per-row sequence lengths.
 
     q length: queries that see any key; kv length: keys that any query sees. On a concrete
-    mask, checks that it is trailing padding (within the causal structure when `causal`)."""
+    mask, checks that it is trailing padding (within the causal structure when `causal`);
+    under jit `MultiHeadAttention` makes the rows of any other pattern NaN (`_padding`)."""
+    return _padding(mask, B, T, S, causal=causal, bottom_right=bottom_right)[0]
+
+
+def _padding(mask, B: int, T: int, S: int, *, causal: bool, bottom_right: bool):
+    """(padding_descriptor's descriptor, bool [B]: rows whose traced mask is not trailing
+    padding, or None for a concrete mask, checked here)."""
     visible = _visible(mask, B, T, S)
     q_lens = jnp.sum(jnp.any(visible, axis=2), axis=1, dtype=jnp.int32)
     kv_lens = jnp.sum(jnp.any(visible, axis=1), axis=1, dtype=jnp.int32)
-    vis, ql, kl = concrete(visible), concrete(q_lens), concrete(kv_lens)
-    if vis is not None and ql is not None and kl is not None:
-        t, s = np.arange(T)[None, :, None], np.arange(S)[None, None, :]
-        want = (t < ql[:, None, None]) & (s < kl[:, None, None])
-        if causal:
-            shift = (kl - ql)[:, None, None] if bottom_right else 0
-            structure = s <= t + shift
-            vis, want = vis & structure, want & structure
-        bad = np.argwhere(vis != want)
-        if len(bad):
-            b, i, j = bad[0]
-            raise ValueError(
-                f"mask is not a trailing padding mask: row {b} has q length {ql[b]} and kv "
-                f"length {kl[b]}, but query {i} / key {j} is {'visible' if vis[b, i, j] else 'masked'}; "
-                "padding mask types take padding at the end of each sequence (as TE's fused "
-                "attention does); express other patterns as a bias")
-    return SequenceDescriptor.from_seqlens((q_lens, kv_lens))
+    t, s = jnp.arange(T)[None, :, None], jnp.arange(S)[None, None, :]
+    want = (t < q_lens[:, None, None]) & (s < kv_lens[:, None, None])
+    if causal:
+        shift = (kv_lens - q_lens)[:, None, None] if bottom_right else 0
+        structure = s <= t + shift
+        visible, want = visible & structure, want & structure
+    descriptor = SequenceDescriptor.from_seqlens((q_lens, kv_lens))
+    vis, wanted, ql, kl = concrete(visible), concrete(want), concrete(q_lens), concrete(kv_lens)
+    if vis is None or wanted is None or ql is None or kl is None:
+        return descriptor, jnp.any(visible != want, axis=(1, 2))
+    bad = np.argwhere(vis != wanted)
+    if len(bad):
+        b, i, j = bad[0]
+        raise ValueError(
+            f"mask is not a trailing padding mask: row {b} has q length {ql[b]} and kv "
+            f"length {kl[b]}, but query {i} / key {j} is {'visible' if vis[b, i, j] else 'masked'}; "
+            "padding mask types take padding at the end of each sequence (as TE's fused "
+            "attention does); express other patterns as a bias")
+    return descriptor, None
 
 
 def _decode_descriptor(mask, B: int, T: int, L: int, start) -> SequenceDescriptor:
@@ -406,7 +416,7 @@ class MultiHeadAttention(nn.Module):
                 S = k.shape[seq_axis]
 
         mask_type = te.canonicalize(te.AttnMaskType, self.attn_mask_type, "attn_mask_type")
-        descriptor = None
+        descriptor, not_trailing = None, None
         if stepping:
             descriptor = _decode_descriptor(mask if mask_type.is_padding() else None, B, T, S, start)
             # Absolute positions carry the causal diagonal: top-left over them is exact.
@@ -421,10 +431,13 @@ class MultiHeadAttention(nn.Module):
                 mask_type = te.AttnMaskType(mask_type.value.removeprefix("padding").lstrip("_")
                                             or "none")
             else:
-                descriptor = padding_descriptor(mask, B, T, S, causal=mask_type.is_causal(),
-                                                bottom_right=mask_type.is_bottom_right())
+                descriptor, not_trailing = _padding(mask, B, T, S, causal=mask_type.is_causal(),
+                                                    bottom_right=mask_type.is_bottom_right())
 
         out = self._attend(te, q, k, v, bias, descriptor, mask_type, seq_major, deterministic)
+        if not_trailing is not None:  # a traced mask that lengths cannot express: NaN, not wrong
+            rows = not_trailing[None, :] if seq_major else not_trailing[:, None]
+            out = jnp.where(rows[..., None, None], jnp.nan, out)
         out = out.reshape(*out.shape[:2], -1)
         out = self._dense(inputs_q.shape[-1], ("joined_kv", "embed"), ("embed",), "out",
                           self._init(), lora="out")(out)
