@@ -291,6 +291,13 @@ def test_explain_takes_shapes_and_tells_why_the_reference_is_passed_over():
     assert "not chosen automatically" in str(ex)
 
 
-def test_explain_ignores_implementation_and_return_lse():
-    ex = flashmesh.explain(Q, KV, KV, implementation="reference", return_lse=True)
+def test_explain_names_the_requested_implementation():
+    ex = flashmesh.explain(Q, KV, KV, implementation="chunked", return_lse=True)
     assert set(ex.available()) >= {"reference", "chunked"}
+    assert ex.chosen == "chunked" and "runs 'chunked' (requested)" in str(ex), str(ex)
+    assert "(requested)" not in str(flashmesh.explain(Q, KV, KV))
+    refused = flashmesh.explain(Q, KV, KV, implementation="cudnn")
+    if refused.reason("cudnn") is not None:  # no GPU: what attention(implementation=) raises
+        assert refused.chosen is None and "implementation='cudnn' cannot run" in str(refused)
+    with pytest.raises(ValueError, match="implementation"):
+        flashmesh.explain(Q, KV, KV, implementation="nope")

@@ -168,6 +168,17 @@ def test_explain_says_the_choice():
     mha = explain(x, x, x, mesh=_mesh(8), mask="causal")
     assert mha.strategy == "all_to_all", str(mha)
     assert "received per rank" in str(mha)
+    # what the call runs or raises: heads split by a tensor axis are not split again
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("cp", "tp"))
+    split = explain(x, x, x, mesh=mesh, mask="causal", head_axis="tp")
+    assert split.strategy != "all_to_all", str(split)
+    few = jax.ShapeDtypeStruct((1, 4096, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs num_heads per rank"):
+        explain(few, few, few, mesh=_mesh(4), strategy="all_to_all")
+    with pytest.raises(NotImplementedError, match="heads are already split"):
+        explain(x, x, x, mesh=mesh, strategy="all_to_all", head_axis="tp")
+    with pytest.raises(ValueError, match="head_axis='hp' is not an axis"):
+        explain(x, x, x, mesh=mesh, head_axis="hp")
 
 
 def test_hop_kinds_leave_causal_steps_to_any_implementation():

@@ -273,16 +273,15 @@ CONTEXT_PARALLEL_OPTIONS = ("mesh", "axis", "strategy", "order", "stripe_size", 
 
 def explain(q, k=None, v=None, **options):
     """Which implementations can run this call on this device, which one runs, and why the
-    others cannot. Takes the same arguments as `attention` (arrays or jax.ShapeDtypeStruct).
+    others cannot. Takes the same arguments as `attention` (arrays or jax.ShapeDtypeStruct);
+    with implementation= the one named runs, where it can.
 
     Given `mesh=` (and the other options of `flashmesh.context_parallel_attention`), it explains
     that call instead: the strategy chosen and why (`flashmesh.parallel.Choice`)."""
     if any(name in options for name in CONTEXT_PARALLEL_OPTIONS):
         from flashmesh.parallel import context  # the parallel layer is built on this module
-        for name in ("batch_axis", "head_axis"):
-            options.pop(name, None)
         return context.explain(q, k, v, **options)
-    options.pop("implementation", None)
+    requested = options.pop("implementation", None)
     options.pop("return_lse", None)
     specs = []
 
@@ -291,7 +290,7 @@ def explain(q, k=None, v=None, **options):
         return 0
 
     jax.eval_shape(trace, q, k, v)
-    explanation = registry.explain_spec(specs[0])
+    explanation = registry.explain_spec(specs[0], requested=requested)
     from flashmesh.quantization import attention as fp8, active_recipe  # built on this module
     recipe = active_recipe()
     if getattr(recipe, "fp8_dpa", False):

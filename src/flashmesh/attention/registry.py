@@ -102,6 +102,7 @@ class Explanation:
     rows: tuple[Row, ...]
     chosen: str | None
     fp8: str | None = None  # under autocast with fp8_dpa: what FP8 attention does with the call
+    requested: str | None = None  # implementation= of the call (chosen if it can run, else None)
 
     def available(self) -> list[str]:
         return [row.name for row in self.rows if row.reason is None]
@@ -110,13 +111,17 @@ class Explanation:
         return next(row.reason for row in self.rows if row.name == name)
 
     def __str__(self) -> str:
-        head = f"runs {self.chosen!r}" if self.chosen else "no implementation can run this call"
+        if self.requested is not None:
+            head = (f"runs {self.chosen!r} (requested)" if self.chosen else
+                    f"implementation={self.requested!r} cannot run this call (NotImplementedError)")
+        else:
+            head = f"runs {self.chosen!r}" if self.chosen else "no implementation can run this call"
         lines = [f"flashmesh.attention on {self.platform}: {head}"]
         for row in self.rows:
             if row.reason is not None:
                 mark, text = "-", row.reason
             elif row.name == self.chosen:
-                mark, text = "*", "ok (chosen)"
+                mark, text = "*", "ok (requested)" if self.requested else "ok (chosen)"
             else:
                 mark, text = "+", "ok" + (f"; not chosen automatically: {row.declines}" if row.declines else "")
             if row.reason is None and IMPLEMENTATIONS[row.name].notes:
@@ -129,8 +134,13 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain_spec(spec: AttentionSpec, platform: str | None = None) -> Explanation:
+def explain_spec(spec: AttentionSpec, platform: str | None = None,
+                 requested: str | None = None) -> Explanation:
+    """Every implementation's verdict on the call; chosen: the automatic choice, or with
+    `requested` (a call's implementation=) that one where it can run, else None."""
     platform = platform or current_platform()
+    if requested is not None:
+        get(requested)  # ValueError for a name that is not registered
     order = AUTO_ORDER.get(platform, DEFAULT_ORDER)
     rows = []
     for name, impl in IMPLEMENTATIONS.items():
@@ -141,8 +151,11 @@ def explain_spec(spec: AttentionSpec, platform: str | None = None) -> Explanatio
                 f"not in the automatic order for {platform}")
         rows.append(Row(name, reason, declines))
     by_name = {row.name: row for row in rows}
-    chosen = next((n for n in order if by_name[n].reason is None and by_name[n].declines is None), None)
-    return Explanation(platform, spec, tuple(rows), chosen)
+    if requested is not None:
+        chosen = requested if by_name[requested].reason is None else None
+    else:
+        chosen = next((n for n in order if by_name[n].reason is None and by_name[n].declines is None), None)
+    return Explanation(platform, spec, tuple(rows), chosen, requested=requested)
 
 
 def select(spec: AttentionSpec, implementation: str | None) -> Implementation:

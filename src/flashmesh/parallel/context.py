@@ -21,6 +21,7 @@ tutorial reorders ids and positions with the tensors).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -158,32 +159,21 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
       >>> mesh = jax.make_mesh((4,), ("cp",))
       >>> out = flashmesh.context_parallel_attention(q, k, v, mesh=mesh, mask="causal")
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     mesh = _mesh(mesh)
-    for name, a in (("axis", axis), ("batch_axis", batch_axis), ("head_axis", head_axis)):
-        if a is not None and a not in mesh.axis_names:
-            raise ValueError(f"{name}={a!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
-    cp = mesh.shape[axis]
     segments = options.get("segments")
+    layout = options.get("layout", "bshd")
+    inputs, spec = api.normalize(q, k, v, **options, return_lse=True)
+    plan = _plan(spec, mesh, axis, strategy, order, stripe_size, batch_axis, head_axis)
     _check_sharding(mesh, axis, {"q": q, "k": k, "v": v})
     if segments is not None:
         _check_sharding(mesh, axis, {f"segments.{f}": getattr(segments, f) for f in (
             "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")})
-    layout = options.get("layout", "bshd")
-    inputs, spec = api.normalize(q, k, v, **options, return_lse=True)
-    stripe_size = layouts.check_order(order, cp, spec.q_len, stripe_size, length_name="q sequence length")
-    layouts.check_order(order, cp, spec.kv_len, stripe_size, length_name="k sequence length")
+    cp, stripe_size, choice, kinds = plan.cp, plan.stripe_size, plan.choice, plan.kinds
     if segments is not None and segments.kind == "segment_ids" and order != "contiguous" and (
             segments.q_positions is None):
         raise ValueError(f"segments from segment ids with order={order!r} need segment_pos: ids of "
                          "reordered arrays do not tell where a token sits in its document")
-    tp = 1 if head_axis is None else mesh.shape[head_axis]
-    dp = 1 if batch_axis is None else mesh.shape[batch_axis]
-    for name, size, n in (("num_heads", spec.num_heads, tp), ("num_kv_heads", spec.num_kv_heads, tp),
-                          ("batch", spec.batch, dp)):
-        if size % n:
-            raise ValueError(f"{name}={size} must be a multiple of the mesh axis size {n}")
+    tp, dp = plan.tp, plan.dp
 
     # Every token's global identity, in stored order.
     B = spec.batch
@@ -199,12 +189,6 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
     kv_side = Side(None if kv_ids is None else reorder(kv_ids), None if kv_pos is None else reorder(kv_pos),
                    jnp.asarray(layouts.global_token_index(order, cp, spec.kv_len, stripe_size), jnp.int32))
 
-    hops, kinds = static_pairs(spec, cp, order, stripe_size)
-    choice = choose_strategy(spec, cp, hops, strategy, heads_split=head_axis is not None)
-    if choice.strategy == "all_to_all" and (spec.num_heads // tp) % cp:
-        raise ValueError(f"strategy='all_to_all' needs num_heads per rank ({spec.num_heads // tp}) to be a "
-                         f"multiple of cp={cp}")
-
     n_local, k_local = spec.num_heads // tp, spec.num_kv_heads // tp
     T, S = spec.q_len // cp, spec.kv_len // cp
     bias = inputs.bias
@@ -218,8 +202,6 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
         if head_axis is not None:
             head_index = jax.lax.axis_index(head_axis) * n_local + jnp.arange(n_local, dtype=jnp.int32)
         local = dataclasses.replace(spec, batch=spec.batch // dp, num_heads=n_local, num_kv_heads=k_local)
-        if choice.strategy == "all_to_all" and head_axis is not None:
-            raise NotImplementedError("strategy='all_to_all' with head_axis: the heads are already split")
         return run_strategy(choice.strategy, local, axis, cp, implementation, choice.hops, kinds,
                             q, k, v, bias, q_side, kv_side, seed, head_index)
 
@@ -275,18 +257,51 @@ def static_pairs(spec: AttentionSpec, cp: int, order: str, stripe_size):
     return hops, hop_kinds(sched.counts, hops, order, spec.window, spec.q_len, spec.kv_len, segments=False)
 
 
-def explain(q, k=None, v=None, *, mesh=None, axis="cp", strategy="auto", order="contiguous",
-            stripe_size=None, **options) -> Choice:
-    """The strategy `context_parallel_attention` runs for these arguments, and why."""
-    mesh = _mesh(mesh)
+class _Plan(NamedTuple):
+    cp: int
+    tp: int
+    dp: int
+    stripe_size: int | None
+    choice: Choice
+    kinds: tuple
+
+
+def _plan(spec: AttentionSpec, mesh, axis, strategy, order, stripe_size, batch_axis, head_axis) -> _Plan:
+    """The checks of a context-parallel call and its strategy, shared by the call and `explain`
+    (so explain says what the call runs, or raises what the call raises)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
+    for name, a in (("axis", axis), ("batch_axis", batch_axis), ("head_axis", head_axis)):
+        if a is not None and a not in mesh.axis_names:
+            raise ValueError(f"{name}={a!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     cp = mesh.shape[axis]
+    stripe_size = layouts.check_order(order, cp, spec.q_len, stripe_size, length_name="q sequence length")
+    layouts.check_order(order, cp, spec.kv_len, stripe_size, length_name="k sequence length")
+    tp = 1 if head_axis is None else mesh.shape[head_axis]
+    dp = 1 if batch_axis is None else mesh.shape[batch_axis]
+    for name, size, n in (("num_heads", spec.num_heads, tp), ("num_kv_heads", spec.num_kv_heads, tp),
+                          ("batch", spec.batch, dp)):
+        if size % n:
+            raise ValueError(f"{name}={size} must be a multiple of the mesh axis size {n}")
+    hops, kinds = static_pairs(spec, cp, order, stripe_size)
+    choice = choose_strategy(spec, cp, hops, strategy, heads_split=head_axis is not None)
+    if choice.strategy == "all_to_all" and head_axis is not None:
+        raise NotImplementedError("strategy='all_to_all' with head_axis: the heads are already split")
+    if choice.strategy == "all_to_all" and (spec.num_heads // tp) % cp:
+        raise ValueError(f"strategy='all_to_all' needs num_heads per rank ({spec.num_heads // tp}) to be a "
+                         f"multiple of cp={cp}")
+    return _Plan(cp, tp, dp, stripe_size, choice, kinds)
+
+
+def explain(q, k=None, v=None, *, mesh=None, axis="cp", strategy="auto", order="contiguous",
+            stripe_size=None, batch_axis=None, head_axis=None, **options) -> Choice:
+    """The strategy `context_parallel_attention` runs for these arguments, and why (or the
+    error the call raises)."""
+    mesh = _mesh(mesh)
     options.pop("implementation", None)
     options.pop("return_lse", None)
     specs = []
     jax.eval_shape(lambda q, k, v: specs.append(api.normalize(q, k, v, **options)[1]) or 0, q, k, v)
-    spec = specs[0]
-    stripe_size = layouts.check_order(order, cp, spec.q_len, stripe_size)
-    hops, _ = static_pairs(spec, cp, order, stripe_size)
-    return choose_strategy(spec, cp, hops, strategy)
+    return _plan(specs[0], mesh, axis, strategy, order, stripe_size, batch_axis, head_axis).choice
 
 
