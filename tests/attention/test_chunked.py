@@ -412,7 +412,9 @@ def test_gpu_anchor_fwd_bwd_memory_below_naive(anchor):
     try:
         naive = fwd_bwd(lambda q, k, v: _naive_float32(q, k, v, mask == "causal", window))
         naive = naive.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
-    except Exception:  # the naive baseline cannot even be compiled at this size
+    except jax.errors.JaxRuntimeError as e:  # the naive baseline cannot even be compiled at this size
+        if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
+            raise
         return
     # A sequence of at most MIN_SPLIT_BLOCK is one tile: chunked then is the naive computation
     # plus its per-row float32 statistics, lse and delta, and a little (codelab_small on the

@@ -216,6 +216,9 @@ def test_window_none_and_minus_one_mean_no_window():
     _close(_fused(qkv, window_size=(-1, -1)), _fused(qkv, window_size=None))
     want = flashmesh.attention(*qkv, mask="none", window=(2, 1))
     _close(_fused(qkv, AttnMaskType.NO_MASK, window_size=(2, 1)), want)
+    for bad in (5, (1, 2, 3)):
+        with pytest.raises(ValueError, match="window_size must be a \\(left, right\\) pair or None"):
+            _fused(qkv, window_size=bad)
 
 
 # -- bias and softmax -------------------------------------------------------------------------

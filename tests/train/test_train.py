@@ -1,18 +1,13 @@
 """flashmesh.train: the stdlib data, the GPT, the jitted step (FP8 state threaded), the report,
 and the tiny `flashmesh train --tiny` run on CPU.
 
-Where flashmesh.te.flax lacks one of TransformerLayer / LayerNorm / DenseGeneral, a test-only
-stand-in from flax.linen takes its place (the stand-in layer is built on the real LayerNorm
-and DenseGeneral where those exist, so its GEMMs run in FP8). The tiny run covers FP8 as soon
-as FP8 autocast and a real DenseGeneral exist; until then it runs bf16 only.
+The tiny run trains in bf16 and in FP8 (delayed scaling through XLA's FP8 emulation on CPU).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,116 +16,13 @@ import optax
 import pytest
 from flax import linen as nn
 
+from flashmesh.te import flax as te_flax
 from flashmesh.train import cli, data, gpt, loop, report
 
 
-# -- test-only stand-ins for the lead's modules ---------------------------------------------------------
-from flashmesh.te import flax as te_flax  # noqa: E402
-
-NAMES = ("TransformerLayer", "LayerNorm", "DenseGeneral")
-REAL = {name: getattr(te_flax, name, None) for name in NAMES}  # before any test puts stand-ins there
-
-
-class StandInLayerNorm(nn.Module):
-    layernorm_type: str = "layernorm"
-    epsilon: float = 1e-6
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        norm = nn.LayerNorm if self.layernorm_type == "layernorm" else nn.RMSNorm
-        # in float32: flax's norms mix a bf16 input with float32 statistics, which strict promotion refuses
-        return norm(epsilon=self.epsilon, dtype=jnp.float32, param_dtype=self.dtype)(
-            x.astype(jnp.float32)).astype(x.dtype)
-
-
-class StandInDenseGeneral(nn.Module):
-    features: Any
-    axis: Any = -1
-    use_bias: bool = True
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.DenseGeneral(self.features, axis=self.axis, use_bias=self.use_bias, dtype=x.dtype,
-                               param_dtype=self.dtype)(x)
-
-
-# The stand-in layer is built on the real LayerNorm and DenseGeneral where they exist, so that its
-# GEMMs run in FP8 under autocast and the FP8 loop can be tested before the real layer exists.
-_NORM = REAL["LayerNorm"] or StandInLayerNorm
-_DENSE = REAL["DenseGeneral"] or StandInDenseGeneral
-
-
-class StandInTransformerLayer(nn.Module):
-    """Pre-LN causal self-attention + GELU MLP with the fields GPT sets (attention by hand)."""
-
-    hidden_size: int = 512
-    mlp_hidden_size: int = 2048
-    num_attention_heads: int = 8
-    layernorm_type: str = "layernorm"
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    mlp_activations: tuple = ("gelu",)
-    self_attn_mask_type: str = "causal"
-    enable_relative_embedding: bool = True
-    enable_rotary_pos_emb: bool = False
-    use_bias: bool = False
-    dtype: Any = jnp.float32
-    transpose_batch_sequence: bool = False
-    scale_attn_logits: bool = False
-    scaled_query_init: bool = True
-
-    @nn.compact
-    def __call__(self, inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None,
-                 deterministic=False, decode=False):
-        if (self.enable_rotary_pos_emb or self.mlp_activations != ("gelu",) or self.self_attn_mask_type != "causal"
-                or not self.scale_attn_logits or self.scaled_query_init):
-            raise NotImplementedError("the test stand-in has learned positions, gelu, causal masks and "
-                                      "1/sqrt(d) logits only")
-        t, n = inputs.shape[1], self.num_attention_heads
-        d = self.hidden_size // n
-        h = _NORM(layernorm_type=self.layernorm_type, dtype=self.dtype)(inputs)
-        qkv = _DENSE(features=(3, n, d), use_bias=self.use_bias, dtype=self.dtype, name="qkv")(h)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        logits = jnp.einsum("btnd,bsnd->bnts", q, k).astype(jnp.float32) / jnp.float32(math.sqrt(d))
-        logits = jnp.where(jnp.tril(jnp.ones((t, t), jnp.bool_))[None, None], logits, jnp.float32(-1e30))
-        o = jnp.einsum("bnts,bsnd->btnd", jax.nn.softmax(logits, axis=-1).astype(inputs.dtype), v)
-        x = inputs + _DENSE(features=self.hidden_size, axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
-                            name="out")(o)
-        h = _NORM(layernorm_type=self.layernorm_type, dtype=self.dtype)(x)
-        h = _DENSE(features=self.mlp_hidden_size, use_bias=self.use_bias, dtype=self.dtype, name="fc1")(h)
-        return x + _DENSE(features=self.hidden_size, use_bias=self.use_bias, dtype=self.dtype,
-                          name="fc2")(nn.gelu(h))
-
-
-STAND_INS = dict(TransformerLayer=StandInTransformerLayer, LayerNorm=StandInLayerNorm,
-                 DenseGeneral=StandInDenseGeneral)
-
-
-def _fp8_available() -> bool:
-    """FP8 autocast, flashmesh.quantization and a real DenseGeneral (which owns the FP8 state)."""
-    import flashmesh.te as te
-
-    if REAL["DenseGeneral"] is None or importlib.util.find_spec("flashmesh.quantization") is None \
-            or not hasattr(te, "recipe"):
-        return False
-    try:
-        with loop.precision_context("fp8", loop.TrainConfig(steps=2, warmup=0)):
-            return True
-    except NotImplementedError:
-        return False
-
-
-FP8 = _fp8_available()
-
-
 @pytest.fixture
-def layers(monkeypatch):
-    """flashmesh.te.flax's modules, with stand-ins for those not written yet."""
-    for name in NAMES:
-        if REAL[name] is None:
-            monkeypatch.setattr(te_flax, name, STAND_INS[name], raising=False)
+def layers():
+    """flashmesh.te.flax, whose TransformerLayer, LayerNorm and DenseGeneral the GPT builds on."""
     return te_flax
 
 
@@ -363,7 +255,7 @@ def test_compare_is_two_percent_of_bf16():
 
 # -- the tiny run ---------------------------------------------------------------------------------------------
 def test_tiny_run_writes_a_report_and_learns(layers, tmp_path, capsys):
-    precisions = "bf16,fp8" if FP8 else "bf16"
+    precisions = "bf16,fp8"
     argv = ["--tiny", "--precisions", precisions, "--out", str(tmp_path), "--no-progress"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out  # without the bar, a line per evaluation (what a log shows)
@@ -381,10 +273,9 @@ def test_tiny_run_writes_a_report_and_learns(layers, tmp_path, capsys):
         assert np.mean(row["train_loss"][-5:]) < np.mean(row["train_loss"][:5]) - 0.5
     text = (folder / "report.md").read_text()
     assert "![training and validation loss](loss.png)" in text and meta["commit"] in text
-    assert ("PASS" in text or "FAIL" in text) if "fp8" in precisions else "no check" in text
+    assert "PASS" in text or "FAIL" in text
     assert (folder / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if "fp8" in precisions:
-        assert payload["check"]["relative_difference"] >= 0
+    assert payload["check"]["relative_difference"] >= 0
 
 
 def test_cli_refuses_bad_options(capsys):
@@ -397,8 +288,6 @@ def test_cli_refuses_bad_options(capsys):
 @pytest.mark.gpu
 def test_fp8_step_runs_cublaslt_fp8_gemms(layers):
     """The compiled FP8 step holds cuBLASLt FP8 GEMMs (not bf16 ones fed by a dequantise)."""
-    if not FP8:
-        pytest.skip("FP8 autocast or flashmesh.quantization is not available")
     model_config, config = gpt.GPTConfig(layers=2, hidden=256, seq=128), loop.TrainConfig(steps=10, warmup=0)
     model, tx = gpt.GPT(model_config), loop.optimizer(config)
     x = jnp.zeros((8, 128), jnp.int32)
@@ -414,13 +303,11 @@ def test_fp8_step_runs_cublaslt_fp8_gemms(layers):
 def test_short_gpu_run_fp8_within_two_percent_of_bf16(layers, corpus):
     model_config = gpt.GPTConfig(layers=4, hidden=256, seq=256)
     config = loop.TrainConfig(steps=300, batch=32, lr=1e-3, warmup=30, eval_every=100, eval_batches=4)
-    precisions = ("bf16", "fp8") if FP8 else ("bf16",)
-    curves = [loop.train(model_config, config, corpus, p, progress=False) for p in precisions]
+    curves = [loop.train(model_config, config, corpus, p, progress=False) for p in ("bf16", "fp8")]
     for c in curves:
         assert c.status == "ok" and c.final_val_loss < 2.5, (c.precision, c.val_loss)  # unigram: 3.25
-    if FP8:
-        check = report.compare(curves)
-        assert check["passed"], report.check_text(check)
+    check = report.compare(curves)
+    assert check["passed"], report.check_text(check)
 
 
 def test_byte_embed_matches_a_gather_and_its_gradient():

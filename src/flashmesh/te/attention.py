@@ -192,7 +192,7 @@ def native_arguments(qkv, bias, sequence_descriptor, seed, *, attn_bias_type, at
 
     window = None
     if window_size is not None:
-        if len(window_size) != 2:
+        if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
             raise ValueError(f"window_size must be a (left, right) pair or None, got {window_size!r}")
         window = (int(window_size[0]), int(window_size[1]))
         if window == (-1, -1):
