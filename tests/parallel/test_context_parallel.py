@@ -228,9 +228,15 @@ def test_explicit_mesh_eager_and_under_set_mesh():
     ("ring", "dual_chunk", dict(mask="causal", window=(9, 0))),
     ("all_gather", "striped", dict(mask="causal", softmax="learnable")),
     ("all_to_all", "contiguous", dict(mask="none", bias=True)),
+    # packed documents given per rank (ids and positions) with padding rows, which are exactly 0
+    ("ring", "dual_chunk", dict(mask="padding_causal", segments=True, dropout_rate=0.3)),
+    ("all_to_all", "striped", dict(mask="padding_causal", segments=True, window=(5, 0),
+                                   softmax="off_by_one")),
+    ("all_gather", "contiguous", dict(mask="causal_bottom_right", logits_soft_cap=2.0, dropout_rate=0.2)),
 ])
 def test_per_shard_form_inside_users_shard_map(strategy, order, opts):
-    """context_parallel_shard inside a user's shard_map equals one device, output and grads."""
+    """context_parallel_shard inside a user's shard_map equals one device, output and grads
+    (dropout: the same elements dropped, the hash seeing global token numbers)."""
     from jax.sharding import PartitionSpec as P
     from flashmesh.parallel.shard import context_parallel_shard
 
@@ -244,23 +250,39 @@ def test_per_shard_form_inside_users_shard_map(strategy, order, opts):
         extra["bias"], specs["bias"] = jnp.asarray(rng.standard_normal((B, N, T, T)), jnp.float32), P(None, None, "cp")
     if opts.get("softmax") == "learnable":
         extra["sink"], specs["sink"] = jnp.asarray(rng.standard_normal(N), jnp.float32), P()
+    if opts.get("dropout_rate"):
+        opts["dropout_rng"] = jax.random.key(5)
     R = lambda x, d=1: flashmesh.reorder_for_context_parallel(x, order, cp, d)  # noqa: E731
+    ids = pos = None
+    if opts.pop("segments", False):  # documents of 11 and 13 tokens, then 8 padding tokens
+        ids = np.broadcast_to(np.array([1] * 11 + [2] * 13 + [0] * 8, np.int32), (B, T))
+        pos = np.broadcast_to(np.concatenate([np.arange(11), np.arange(13), np.zeros(8)]).astype(np.int32), (B, T))
+        ids, pos = jnp.asarray(ids), jnp.asarray(pos)
 
     def one(q, k, v, extra):
-        return flashmesh.attention(q, k, v, implementation="reference", **extra, **opts)
+        segs = None if ids is None else SD.from_segment_ids_and_pos(ids, pos)
+        return flashmesh.attention(q, k, v, implementation="reference", segments=segs, **extra, **opts)
 
     def sharded(q, k, v, extra):
         e = dict(extra)
         if "bias" in e:
             e["bias"] = R(R(e["bias"], 2), 3)
-        f = jax.shard_map(lambda q, k, v, e: context_parallel_shard(q, k, v, axis="cp", strategy=strategy, order=order,
-                                                                     implementation="chunked", **e, **opts),
-                          mesh=_mesh(cp), in_specs=(P(None, "cp"),) * 3 + ({n: specs[n] for n in e},),
-                          out_specs=P(None, "cp"))
-        return flashmesh.inverse_reorder_for_context_parallel(f(R(q), R(k), R(v), e), order, cp)
+        tables = () if ids is None else (R(ids), R(pos))
 
-    np.testing.assert_allclose(np.asarray(jax.jit(sharded)(q, k, v, extra)), np.asarray(one(q, k, v, extra)),
-                               rtol=1e-5, atol=1e-5)
+        def per_rank(q, k, v, e, *tables):
+            segs = SD.from_segment_ids_and_pos(*tables) if tables else None
+            return context_parallel_shard(q, k, v, axis="cp", strategy=strategy, order=order,
+                                          implementation="chunked", segments=segs, **e, **opts)
+
+        f = jax.shard_map(per_rank, mesh=_mesh(cp),
+                          in_specs=(P(None, "cp"),) * 3 + ({n: specs[n] for n in e},) + (P(None, "cp"),) * len(tables),
+                          out_specs=P(None, "cp"))
+        return flashmesh.inverse_reorder_for_context_parallel(f(R(q), R(k), R(v), e, *tables), order, cp)
+
+    got = np.asarray(jax.jit(sharded)(q, k, v, extra))
+    np.testing.assert_allclose(got, np.asarray(one(q, k, v, extra)), rtol=1e-5, atol=1e-5)
+    if ids is not None:  # padding rows: exactly zero
+        assert (got[:, 24:] == 0).all()
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
     want = jax.grad(loss(one), (0, 1, 2, 3))(q, k, v, extra)
     got = jax.jit(jax.grad(loss(sharded), (0, 1, 2, 3)))(q, k, v, extra)
