@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,10 +47,15 @@ CASES = [
      WindowBlockSizes(pingpong=True)),
     (Case("pingpong_one_head_each", T=64, S=80, N=2, K=1, window=(20, 5)),
      WindowBlockSizes(pingpong=True)),
-    # a ring of Q slots: five heads a warpgroup go round three slots (two loads ahead) with
-    # O in Q's slot; three heads round four slots with O in slots of its own (Dqk != Dv)
+    # a ring of Q slots (the interpreter's race detector on): five heads a warpgroup go round
+    # three slots (two loads ahead) with O in Q's slot; nine round four with O in slots of its
+    # own (Dqk != Dv); two heads, fewer than the loads ahead; ping-pong, all loads in the prologue
     (Case("q_ring_3_five_heads", T=70, S=70, N=5, K=1, window=(40, 0)),
      WindowBlockSizes(num_compute_wgs=1, q_buffers=3)),
+    (Case("q_ring_4_nine_heads_mla", T=70, S=70, N=9, K=1, Dqk=64, Dv=32, window=(40, 0)),
+     WindowBlockSizes(num_compute_wgs=1, q_buffers=4)),
+    (Case("q_ring_4_two_heads", T=70, S=70, N=2, K=1, window=(40, 0)),
+     WindowBlockSizes(num_compute_wgs=1, q_buffers=4)),
     (Case("q_ring_4_pingpong_mla", T=64, S=64, N=6, K=1, Dqk=64, Dv=32, window=(30, 0)),
      WindowBlockSizes(pingpong=True, q_buffers=4)),
 ]
@@ -72,7 +78,7 @@ GPU_CASES = [
 ]
 
 
-def check_case(case: Case, bs: WindowBlockSizes, *, interpret: bool, scale: float | None = None,
+def check_case(case: Case, bs: WindowBlockSizes, *, interpret, scale: float | None = None,
                q_mult: float = 1.0):
     q, k, v = make_inputs(case)
     q = (q.astype(jnp.float32) * q_mult).astype(q.dtype)
@@ -98,7 +104,9 @@ def check_case(case: Case, bs: WindowBlockSizes, *, interpret: bool, scale: floa
 
 @pytest.mark.parametrize("case, bs", CASES, ids=lambda c: getattr(c, "name", ""))
 def test_window_interpret(case, bs, interpreter):
-    check_case(case, bs, interpret=True)
+    races = case.name.startswith("q_ring")
+    check_case(case, bs, interpret=plgpu.InterpretGPUParams(detect_races=True) if races else True)
+    assert not (races and interpreter.get_races().races_found), f"{case.name}: a race"
 
 
 @pytest.mark.parametrize("scale, q_mult", [(-0.3, 1.0), (0.0, 1.0), (0.125, 30.0)],

@@ -43,6 +43,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -191,9 +193,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
 
 
 def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: WindowBlockSizes | None = None,
-                 interpret: bool = False):
+                 interpret: "bool | plgpu.InterpretGPUParams" = False):
     """(out [B, T, N, Dv], lse [B, N, T] float32) of a band-mask call the window kernel takes
-    (`window_reason` says why not, as NotImplementedError); sink: float32 [N] for "learnable"."""
+    (`window_reason` says why not, as NotImplementedError); sink: float32 [N] for "learnable".
+    interpret: True runs Mosaic GPU's interpreter, an InterpretGPUParams runs it with those
+    settings (e.g. detect_races=True)."""
     bs = block_sizes or WindowBlockSizes()
     check_spec(spec, "window forward")
     if (why := window_reason(spec, bs)) is not None:
@@ -233,7 +237,8 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
         # No reduction scratch: the row max and sum stay within a warp (WGMMA layout).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         # The interpreter models named barriers (the ping-pong) only in its tokamax mode.
-        interpret=(plgpu.InterpretGPUParams(inline_mgpu="_hack_model_inline_mgpu_tokamax")
-                   if interpret else None),
+        interpret=(dataclasses.replace(
+            interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams(),
+            inline_mgpu="_hack_model_inline_mgpu_tokamax") if interpret else None),
     )(*inputs)
     return out[:, :spec.q_len], lse[:, :, :spec.q_len]
