@@ -10,7 +10,8 @@ a two-sided window with T != S and the learnable sink (one warpgroup, MQA),
 the off-by-one sink with the soft cap and a 4-tile band, and bottom-right T > S with a
 narrow window, where whole query blocks see no key (out 0, lse EMPTY_ROW_LSE); ping-pong with
 two heads and with one head per warpgroup (a hang in the interpreter if the turns unbalance);
-rings of three and four Q slots (`q_buffers`) that the heads go round more than once. Gradients
+rings of three and four Q slots (`q_buffers`, `q_ahead`) that the heads go round more than
+once, with the interpreter's race detector on. Gradients
 go through the registered backend (window forward, general backward) once.
 
 Tolerance: the forward tests' FlashAttention rule (semantics.assert_fa_rule); lse 1e-4.
@@ -56,6 +57,12 @@ CASES = [
      WindowBlockSizes(num_compute_wgs=1, q_buffers=4)),
     (Case("q_ring_4_two_heads", T=70, S=70, N=2, K=1, window=(40, 0)),
      WindowBlockSizes(num_compute_wgs=1, q_buffers=4)),
+    # loading two heads ahead into four slots: the slot of the head before last, whose O store
+    # may still be reading the next slot (a wait that allows two store groups in flight)
+    (Case("q_ring_4_ahead_2_seven_heads", T=70, S=70, N=7, K=1, window=(40, 0)),
+     WindowBlockSizes(num_compute_wgs=1, q_buffers=4, q_ahead=2)),
+    (Case("q_ring_3_ahead_1_pingpong", T=64, S=64, N=10, K=1, window=(30, 0)),
+     WindowBlockSizes(pingpong=True, q_buffers=3, q_ahead=1)),
     (Case("q_ring_4_pingpong_mla", T=64, S=64, N=6, K=1, Dqk=64, Dv=32, window=(30, 0)),
      WindowBlockSizes(pingpong=True, q_buffers=4)),
 ]
@@ -75,6 +82,8 @@ GPU_CASES = [
      WindowBlockSizes(q_buffers=4)),
     (Case("seed_heads_w128_pingpong_q_ring_3", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128,
           window=(128, 0)), WindowBlockSizes(pingpong=True, q_buffers=3)),
+    (Case("seed_heads_w128_q_ring_4_ahead_2", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128,
+          window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2)),
 ]
 
 
@@ -151,7 +160,7 @@ def test_gradients_through_the_backend_interpret(interpreter):
 @pytest.mark.parametrize("T, N, K, D, Dv, win, softmax, cap, pingpong, q_buffers", [
     (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, False, 2),
     (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, True, 2),
-    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, True, 4),  # 226 KB of 227
+    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, True, (4, 2)),  # 226 KB of 227
     (1000, 4, 2, 128, 64, (100, 30), "learnable", 5.0, True, 2),
     (1000, 4, 2, 128, 64, (64, 0), "learnable", 5.0, True, 3),  # O in slots of its own
     (512, 2, 1, 64, 64, (64, 64), "off_by_one", None, False, 2),
@@ -164,7 +173,8 @@ def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_b
     v = jax.ShapeDtypeStruct((2, T, K, Dv), jnp.bfloat16)
     sink = jax.ShapeDtypeStruct((N,), jnp.float32) if softmax == "learnable" else None
     spec = sm90.spec_for(q, k, v, scale=0.1, window=win, softmax=softmax, logits_soft_cap=cap)
-    bs = WindowBlockSizes(pingpong=pingpong, q_buffers=q_buffers)
+    nq, ahead = q_buffers if isinstance(q_buffers, tuple) else (q_buffers, None)
+    bs = WindowBlockSizes(pingpong=pingpong, q_buffers=nq, q_ahead=ahead)
 
     def lower():
         f = jax.jit(lambda q, k, v, s: window.forward_spec(q, k, v, spec, sink=s, block_sizes=bs))
@@ -213,6 +223,11 @@ def test_where_it_applies_and_is_chosen():
         WindowBlockSizes(pingpong=1)
     with pytest.raises(ValueError, match="q_buffers=5 must be 2, 3 or 4"):
         WindowBlockSizes(q_buffers=5)
+    assert WindowBlockSizes(q_buffers=4).q_ahead == 3 and WindowBlockSizes().q_ahead == 1
+    assert WindowBlockSizes(q_buffers=3) == WindowBlockSizes(q_buffers=3, q_ahead=2)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"q_ahead={bad} must be in 1 .. q_buffers - 1 = 2"):
+            WindowBlockSizes(q_buffers=3, q_ahead=bad)
     # the seed shape takes four Q slots a warpgroup (226 KB), not five of anything larger
     assert WindowBlockSizes(q_buffers=4).smem_bytes(seed) <= common.SMEM_BYTES
     assert "shared memory" in common.window_reason(_spec(mask="causal", window=(128, 0), D=256),

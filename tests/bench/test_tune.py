@@ -77,12 +77,18 @@ def test_write_table_updates_by_anchor_and_appends(tmp_path):
     assert swa[0]["config"] == window
     # and the schedule fields that differ from WindowBlockSizes' defaults (the whole config as
     # `tune_shape` reports it): ping-pong and the Q ring survive into the table
-    chosen = common.WindowBlockSizes(pingpong=True, q_buffers=3)
+    chosen = common.WindowBlockSizes(pingpong=True, q_buffers=3, q_ahead=1)
     tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=common.config_fields(chosen))], meta)
     swa = [e for e in json.loads(path.read_text())["entries"] if e.get("anchor") == "seed000_gqa_swa"]
     assert swa[0]["config"] == dict(kernel="window", block_kv=64, num_compute_wgs=2, pingpong=True,
-                                    q_buffers=3)
+                                    q_buffers=3, q_ahead=1)
     assert common.forward_config(swa[0]["config"]) == chosen
+    # q_ahead only where it is not its default for the ring (q_buffers - 1)
+    deep = common.WindowBlockSizes(q_buffers=4)
+    tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=common.config_fields(deep))], meta)
+    swa = [e for e in json.loads(path.read_text())["entries"] if e.get("anchor") == "seed000_gqa_swa"]
+    assert swa[0]["config"] == dict(kernel="window", block_kv=64, num_compute_wgs=2, q_buffers=4)
+    assert common.forward_config(swa[0]["config"]) == deep
     common.load_table.cache_clear()
 
 

@@ -407,13 +407,16 @@ class WindowBlockSizes:
     multiple). pingpong: the warpgroups take turns issuing their GEMMs (FA3's warp scheduler
     barrier, as `BlockSizes.pingpong`), so one warpgroup's softmax runs under the other's
     GEMMs; needs 2 warpgroups. q_buffers: each warpgroup's ring of Q tiles (its O staged in
-    the same slot), so the next q_buffers - 1 heads' Q loads are in flight under a head's work
-    (2: double buffering)."""
+    the same slot; 2: double buffering). q_ahead: how many heads ahead a warpgroup loads Q,
+    1 .. q_buffers - 1 (None: q_buffers - 1, normalised so). Loading into the slot the last
+    head's O has just left waits for that O's store to read it; q_ahead = q_buffers - 2 loads
+    into the slot of the head before it, whose store has had a head's time to finish."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
     pingpong: bool = False
     q_buffers: int = 2
+    q_ahead: int | None = None
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -427,6 +430,11 @@ class WindowBlockSizes:
                              f"{self.num_compute_wgs}")
         if self.q_buffers not in (2, 3, 4):
             raise ValueError(f"WindowBlockSizes.q_buffers={self.q_buffers!r} must be 2, 3 or 4")
+        if self.q_ahead is None:
+            object.__setattr__(self, "q_ahead", self.q_buffers - 1)
+        if not isinstance(self.q_ahead, int) or not 1 <= self.q_ahead < self.q_buffers:
+            raise ValueError(f"WindowBlockSizes.q_ahead={self.q_ahead!r} must be in 1 .. q_buffers - 1 = "
+                             f"{self.q_buffers - 1}")
 
     def band_tiles(self, spec: AttentionSpec) -> int:
         """Key tiles in every block's band: the most any 64-position block meets, at most the

@@ -15,9 +15,10 @@ Structure: a grid over (64-position query block, kv head, batch); W compute warp
 memory warpgroup. Warpgroup 0 loads the band's K and V once (one TMA each, nb * block_kv rows
 from tile `lo`, clamped so the band stays inside the padded keys), after the first Q, and the
 first head's S GEMM waits only for K. Warpgroup w then takes the group's query heads w, w + W,
-...: per head it loads the Q of the head `WindowBlockSizes.q_buffers` - 1 ahead into the slot
-the last head's O has left (2 buffers: double buffering; 3 or 4 keep more loads in flight for
-the memory-bound kernel, Q and O being nearly all its traffic), runs S = Q Kᵀ (WGMMA), masks
+...: per head it loads the Q of the head `WindowBlockSizes.q_ahead` ahead into a ring of
+`q_buffers` slots (2 and 1: double buffering; more keep more loads in flight for the
+memory-bound kernel, Q and O being nearly all its traffic, or let the slot's last O store
+finish under a head's work), runs S = Q Kᵀ (WGMMA), masks
 the band element-wise (`band_mask`), takes the exact softmax in exp2 (scale folded into exp2's
 argument, one FMA per logit), O = P V (P from registers), and stores O from its Q buffer and
 lse by TMA while the next head computes. With
@@ -69,7 +70,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     # k_smem [band, Dqk], v_smem [band, Dv]; q_smem [W, nq, 64, Dqk]; o_smem [W, nq, 64, Dv] or
     # None (O in the Q buffer); lse_smem [W, nq, 64] f32; p_smem [W, 64, band] or None
     # (nq = bs.q_buffers: head t's Q, then its O, in slot t % nq).
-    W, bkv, G, nq = bs.num_compute_wgs, bs.block_kv, spec.group_size, bs.q_buffers
+    W, bkv, G, nq, ahead = bs.num_compute_wgs, bs.block_kv, spec.group_size, bs.q_buffers, bs.q_ahead
     band, dtype = nb * bkv, jnp.dtype(spec.dtype)
     block, kv_head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
@@ -89,8 +90,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
                                 q_ready.at[wg * nq + buf])
 
     # The first Q, then K, then V: the first S GEMM waits for Q and K only, and V arrives under
-    # it and its softmax (awaited before the first P V). Then the next nq - 2 heads' Q: head t
-    # loads head t + nq - 1's, so nq - 1 loads stay in flight.
+    # it and its softmax (awaited before the first P V). Then the next heads' Q up to head
+    # ahead - 1: head t loads head t + ahead's.
     load_q(0, 0)
 
     @pl.when(wg == 0)
@@ -99,7 +100,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, kv_ready.at[0])
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, kv_ready.at[1])
 
-    for t in range(1, min(nq - 1, heads)):
+    for t in range(1, min(ahead, heads)):
         load_q(t, t)
 
     plgpu.barrier_wait(kv_ready.at[0])
@@ -143,10 +144,13 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
 
-        @pl.when(t + nq - 1 < heads)  # head t + nq - 1's Q into the last head's slot, once its
-        def _():  # O is out (after this head's S: the last head's O store had that GEMM to finish)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            load_q(t + nq - 1, lax.rem(t + nq - 1, nq))
+        # Head t + ahead's Q into the slot of head t + ahead - nq, once that head's O is out
+        # (after this head's S GEMM: the last head's O store had that GEMM to finish). The
+        # heads between issued two stores each (O, lse), which may still be reading.
+        @pl.when(t + ahead < heads)
+        def _():
+            plgpu.wait_smem_to_gmem(2 * (nq - 1 - ahead), wait_read_only=True)
+            load_q(t + ahead, lax.rem(t + ahead, nq))
 
         if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
             e = jnp.exp2(s * (2.0 * parts.LOG2E * spec.scale / cap))

@@ -74,8 +74,9 @@ def candidates(spec, limit: int | None = None) -> list:
         default = common.heuristic(spec)
     grid = itertools.product(SEARCH["tiles"], SEARCH["block_kv"], SEARCH["num_stages"],
                              SEARCH["intra_wg_overlap"])
-    windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w, pingpong=p, q_buffers=nq)
-               for kv, w, p, nq in itertools.product((64, 128), (2, 1), (False, True), (2, 3, 4))
+    windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w, pingpong=p, q_buffers=nq, q_ahead=a)
+               for kv, w, p, (nq, a) in itertools.product((64, 128), (2, 1), (False, True),
+                                                          ((2, 1), (3, 2), (3, 1), (4, 3), (4, 2)))
                if w == 2 or not p)
     persistent = ([dataclasses.replace(default, persistent=p, reuse_q_for_o=r) for p, r in PERSISTENT]
                   if isinstance(default, common.BlockSizes) and default.num_splits == 1 else [])
@@ -130,8 +131,9 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
     for res in tune_measure.unshared([r for r in results if r.get("kernel") != "backward"], "tune"):
         best = res["best"]
         if best.get("kernel") == "window":  # every field that differs from WindowBlockSizes' defaults
-            fields, flags = ("kernel", "block_kv", "num_compute_wgs"), ("pingpong", "q_buffers")
-            defaults = dataclasses.asdict(common.WindowBlockSizes())
+            fields, flags = ("kernel", "block_kv", "num_compute_wgs"), ("pingpong", "q_buffers", "q_ahead")
+            # (q_ahead's default follows q_buffers: q_buffers - 1)
+            defaults = dataclasses.asdict(common.WindowBlockSizes()) | {"q_ahead": best.get("q_buffers", 2) - 1}
         else:  # the schedule flags only where they differ from BlockSizes' defaults
             fields = ("block_q", "block_kv", "num_stages", "num_compute_wgs", "intra_wg_overlap")
             flags, defaults = ("persistent", "reuse_q_for_o"), dataclasses.asdict(common.BlockSizes())
