@@ -225,7 +225,14 @@ def test_padding_descriptor_reads_trailing_padding_only():
     # Traced masks cannot be checked: they are read as trailing padding.
     lens = jax.jit(lambda m: padding_descriptor(m, B, T, S, causal=False,
                                                 bottom_right=False).kv_seqlens)(holes)
-    np.testing.assert_array_equal(np.asarray(lens), [3, S])  # 3 visible keys: length 3
+    np.testing.assert_array_equal(np.asarray(lens), [4, S])  # up to the last visible key
+    # bottom-right causal with T > S: the first T - S queries see nothing, yet belong to the
+    # sequence (a mask with the causal part in it, or without)
+    br = ~(np.arange(S)[None, :] <= np.arange(T)[:, None] - (T - S))
+    for m in (jnp.asarray(np.broadcast_to(br, (B, 1, T, S))), jnp.zeros((B, 1, T, S), bool)):
+        d = padding_descriptor(m, B, T, S, causal=True, bottom_right=True)
+        np.testing.assert_array_equal(np.asarray(d.q_seqlens), [T, T])
+        np.testing.assert_array_equal(np.asarray(d.kv_seqlens), [S, S])
 
 
 def test_traced_masks_that_are_not_trailing_padding_give_nan_rows():
@@ -239,6 +246,17 @@ def test_traced_masks_that_are_not_trailing_padding_give_nan_rows():
     assert np.isnan(np.asarray(out[0])).all()
     want = reference(variables["params"], xq, xkv, visible=vis, self_attn=False)
     _close(out[1], want[1])
+    # self-attention, causal, sequence-major: the same row (now axis 1) is NaN, the other exact
+    x = _x(6)
+    cmask, cvis = _padding_mask([5, 3], [5, 3], T, T, with_causal=True)
+    chole = cmask.at[0, 0, 4, 2].set(True)  # a hidden key inside a causal row: not padding
+    kw = dict(head_dim=H, num_attention_heads=N, attn_mask_type="padding_causal")
+    variables, good, _ = _run(MultiHeadAttention(**kw), x, x, cmask)
+    _close(good, reference(variables["params"], x, x, visible=cvis, self_attn=True))
+    xt = jnp.swapaxes(x, 0, 1)
+    seq = _fns(MultiHeadAttention(**kw, transpose_batch_sequence=True), True)[1](variables, xt, xt, chole)[0]
+    assert seq.shape == (T, B, E) and np.isnan(np.asarray(seq[:, 0])).all()
+    _close(seq[:, 1], good[1])
 
 
 def test_mask_ignored_for_causal_and_none_mask_for_padding():

@@ -44,6 +44,8 @@ def test_segment_ids_in_another_order_need_positions():
     ids = flashmesh.SequenceDescriptor.from_segment_ids_and_pos(jnp.ones((1, 32), jnp.int32))
     with pytest.raises(ValueError, match="need segment_pos"):
         _call(mask="padding_causal", segments=ids, order="dual_chunk")
+    with pytest.raises(ValueError, match="need segment_pos"):  # explain raises what the call raises
+        flashmesh.explain(Q, KV, KV, mesh=MESH, mask="padding_causal", segments=ids, order="dual_chunk")
 
 
 def test_no_mesh_and_no_ambient_mesh():

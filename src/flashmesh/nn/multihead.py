@@ -97,7 +97,8 @@ def padding_descriptor(mask, B: int, T: int, S: int, *, causal: bool,
                        bottom_right: bool) -> SequenceDescriptor:
     """TE's padding mask [B, 1, T, S] (True = masked out) as per-row sequence lengths.
 
-    q length: queries that see any key; kv length: keys that any query sees. On a concrete
+    q length: up to the last query that sees any key; kv length: up to the last key that any
+    query sees (so a mask may include the causal part or not, in either alignment). On a concrete
     mask, checks that it is trailing padding (within the causal structure when `causal`);
     under jit `MultiHeadAttention` makes the rows of any other pattern NaN (`_padding`)."""
     return _padding(mask, B, T, S, causal=causal, bottom_right=bottom_right)[0]
@@ -107,8 +108,12 @@ def _padding(mask, B: int, T: int, S: int, *, causal: bool, bottom_right: bool):
     """(padding_descriptor's descriptor, bool [B]: rows whose traced mask is not trailing
     padding, or None for a concrete mask, checked here)."""
     visible = _visible(mask, B, T, S)
-    q_lens = jnp.sum(jnp.any(visible, axis=2), axis=1, dtype=jnp.int32)
-    kv_lens = jnp.sum(jnp.any(visible, axis=1), axis=1, dtype=jnp.int32)
+
+    def length(seen, n):  # one past the last position that sees (or is seen by) any: under a
+        # bottom-right causal mask with T > S the first queries see nothing yet are in the sequence
+        return jnp.max(jnp.where(seen, jnp.arange(1, n + 1, dtype=jnp.int32), 0), axis=1)
+
+    q_lens, kv_lens = length(jnp.any(visible, axis=2), T), length(jnp.any(visible, axis=1), S)
     t, s = jnp.arange(T)[None, :, None], jnp.arange(S)[None, None, :]
     want = (t < q_lens[:, None, None]) & (s < kv_lens[:, None, None])
     if causal:

@@ -163,16 +163,12 @@ def context_parallel_attention(q, k=None, v=None, *, mesh=None, axis: str = "cp"
     segments = options.get("segments")
     layout = options.get("layout", "bshd")
     inputs, spec = api.normalize(q, k, v, **options, return_lse=True)
-    plan = _plan(spec, mesh, axis, strategy, order, stripe_size, batch_axis, head_axis)
+    plan = _plan(spec, mesh, axis, strategy, order, stripe_size, batch_axis, head_axis, segments)
     _check_sharding(mesh, axis, {"q": q, "k": k, "v": v})
     if segments is not None:
         _check_sharding(mesh, axis, {f"segments.{f}": getattr(segments, f) for f in (
             "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")})
     cp, stripe_size, choice, kinds = plan.cp, plan.stripe_size, plan.choice, plan.kinds
-    if segments is not None and segments.kind == "segment_ids" and order != "contiguous" and (
-            segments.q_positions is None):
-        raise ValueError(f"segments from segment ids with order={order!r} need segment_pos: ids of "
-                         "reordered arrays do not tell where a token sits in its document")
     tp, dp = plan.tp, plan.dp
 
     # Every token's global identity, in stored order.
@@ -266,11 +262,16 @@ class _Plan(NamedTuple):
     kinds: tuple
 
 
-def _plan(spec: AttentionSpec, mesh, axis, strategy, order, stripe_size, batch_axis, head_axis) -> _Plan:
+def _plan(spec: AttentionSpec, mesh, axis, strategy, order, stripe_size, batch_axis, head_axis,
+          segments=None) -> _Plan:
     """The checks of a context-parallel call and its strategy, shared by the call and `explain`
     (so explain says what the call runs, or raises what the call raises)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
+    if segments is not None and segments.kind == "segment_ids" and order != "contiguous" and (
+            segments.q_positions is None):
+        raise ValueError(f"segments from segment ids with order={order!r} need segment_pos: ids of "
+                         "reordered arrays do not tell where a token sits in its document")
     for name, a in (("axis", axis), ("batch_axis", batch_axis), ("head_axis", head_axis)):
         if a is not None and a not in mesh.axis_names:
             raise ValueError(f"{name}={a!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
@@ -302,6 +303,7 @@ def explain(q, k=None, v=None, *, mesh=None, axis="cp", strategy="auto", order="
     options.pop("return_lse", None)
     specs = []
     jax.eval_shape(lambda q, k, v: specs.append(api.normalize(q, k, v, **options)[1]) or 0, q, k, v)
-    return _plan(specs[0], mesh, axis, strategy, order, stripe_size, batch_axis, head_axis).choice
+    return _plan(specs[0], mesh, axis, strategy, order, stripe_size, batch_axis, head_axis,
+                 options.get("segments")).choice
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from flashmesh.attention import api, registry, varying
@@ -192,7 +193,7 @@ def native_arguments(qkv, bias, sequence_descriptor, seed, *, attn_bias_type, at
 
     window = None
     if window_size is not None:
-        if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        if np.ndim(window_size) != 1 or np.shape(window_size) != (2,):
             raise ValueError(f"window_size must be a (left, right) pair or None, got {window_size!r}")
         window = (int(window_size[0]), int(window_size[1]))
         if window == (-1, -1):
