@@ -15,7 +15,7 @@ over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (e
 BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-ranges`:
 BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
 BWD_DELTA (delta_in_dq) the same way; `--window`: the window kernel's WINDOW_CONFIGS
-(ping-pong off and on) the same way, on the window shapes named. Each alternated mode also lists each config's kernels.
+(ping-pong off and on, block_kv, the Q ring) the same way, on the window shapes named. Each alternated mode also lists each config's kernels.
 `--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
 name meaning True), on top of today's config, so that a profiler's launch count finds it (the
 `ncu` step of device_run.sh: the forward's launch, then two calls of the backward before the 20
@@ -241,7 +241,9 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
 
 
 # `--window`: the window kernel's WindowBlockSizes, alternated in 3 rounds (ping-pong off / on)
-WINDOW_CONFIGS = [dict(), dict(pingpong=True), dict(block_kv=128), dict(block_kv=128, pingpong=True)]
+WINDOW_CONFIGS = [dict(), dict(pingpong=True), dict(block_kv=128), dict(block_kv=128, pingpong=True),
+                  dict(q_buffers=3, q_ahead=1), dict(q_buffers=4), dict(q_buffers=4, q_ahead=2),
+                  dict(pingpong=True, q_buffers=4, q_ahead=2)]
 
 
 def window_alone(q, k, v, window, out_ref):
