@@ -223,10 +223,12 @@ def test_where_it_applies_and_is_chosen():
         WindowBlockSizes(pingpong=1)
     with pytest.raises(ValueError, match="q_buffers=5 must be 2, 3 or 4"):
         WindowBlockSizes(q_buffers=5)
-    assert WindowBlockSizes(q_buffers=4).q_ahead == 3 and WindowBlockSizes().q_ahead == 1
+    assert WindowBlockSizes(q_buffers=4).ahead == 3 and WindowBlockSizes().ahead == 1
     assert WindowBlockSizes(q_buffers=3) == WindowBlockSizes(q_buffers=3, q_ahead=2)
+    assert dataclasses.replace(WindowBlockSizes(), q_buffers=4).ahead == 3  # the default follows
+    assert WindowBlockSizes(q_buffers=4, q_ahead=2).ahead == 2
     for bad in (0, 3):
-        with pytest.raises(ValueError, match=f"q_ahead={bad} must be in 1 .. q_buffers - 1 = 2"):
+        with pytest.raises(ValueError, match=f"q_ahead={bad} must be None or in 1 .. q_buffers - 1 = 2"):
             WindowBlockSizes(q_buffers=3, q_ahead=bad)
     # the seed shape takes four Q slots a warpgroup (226 KB), not five of anything larger
     assert WindowBlockSizes(q_buffers=4).smem_bytes(seed) <= common.SMEM_BYTES

@@ -168,7 +168,7 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
         forward = (f"forward: the window kernel, a band of {fwd.band_tiles(spec)}x{fwd.block_kv} keys "
                    f"per 64 queries shared by {fwd.num_compute_wgs} warpgroups over the group's "
                    f"{spec.group_size} heads{' in ping-pong' if fwd.pingpong else ''}, "
-                   f"{fwd.q_buffers} Q buffers each, loads {fwd.q_ahead} head(s) ahead")
+                   f"{fwd.q_buffers} Q buffers each, loads {fwd.ahead} head(s) ahead")
     else:
         forward = (f"forward tiles {fwd.block_q}x{fwd.block_kv}, {fwd.num_stages} stages, "
                    f"{fwd.num_compute_wgs} compute warpgroups")

@@ -408,7 +408,8 @@ class WindowBlockSizes:
     barrier, as `BlockSizes.pingpong`), so one warpgroup's softmax runs under the other's
     GEMMs; needs 2 warpgroups. q_buffers: each warpgroup's ring of Q tiles (its O staged in
     the same slot; 2: double buffering). q_ahead: how many heads ahead a warpgroup loads Q,
-    1 .. q_buffers - 1 (None: q_buffers - 1, normalised so). Loading into the slot the last
+    1 .. q_buffers - 1 (`ahead`; None, to which q_buffers - 1 is normalised: q_buffers - 1, so
+    the default follows q_buffers under `dataclasses.replace`). Loading into the slot the last
     head's O has just left waits for that O's store to read it; q_ahead = q_buffers - 2 loads
     into the slot of the head before it, whose store has had a head's time to finish."""
 
@@ -430,11 +431,17 @@ class WindowBlockSizes:
                              f"{self.num_compute_wgs}")
         if self.q_buffers not in (2, 3, 4):
             raise ValueError(f"WindowBlockSizes.q_buffers={self.q_buffers!r} must be 2, 3 or 4")
-        if self.q_ahead is None:
-            object.__setattr__(self, "q_ahead", self.q_buffers - 1)
-        if not isinstance(self.q_ahead, int) or not 1 <= self.q_ahead < self.q_buffers:
-            raise ValueError(f"WindowBlockSizes.q_ahead={self.q_ahead!r} must be in 1 .. q_buffers - 1 = "
-                             f"{self.q_buffers - 1}")
+        if self.q_ahead is not None and (not isinstance(self.q_ahead, int)
+                                         or not 1 <= self.q_ahead < self.q_buffers):
+            raise ValueError(f"WindowBlockSizes.q_ahead={self.q_ahead!r} must be None or in 1 .. "
+                             f"q_buffers - 1 = {self.q_buffers - 1}")
+        if self.q_ahead == self.q_buffers - 1:  # one spelling of the default: equal configs compare equal
+            object.__setattr__(self, "q_ahead", None)
+
+    @property
+    def ahead(self) -> int:
+        """How many heads ahead a warpgroup loads Q (q_ahead, or its default q_buffers - 1)."""
+        return self.q_buffers - 1 if self.q_ahead is None else self.q_ahead
 
     def band_tiles(self, spec: AttentionSpec) -> int:
         """Key tiles in every block's band: the most any 64-position block meets, at most the

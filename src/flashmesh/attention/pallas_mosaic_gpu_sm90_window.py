@@ -70,7 +70,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     # k_smem [band, Dqk], v_smem [band, Dv]; q_smem [W, nq, 64, Dqk]; o_smem [W, nq, 64, Dv] or
     # None (O in the Q buffer); lse_smem [W, nq, 64] f32; p_smem [W, 64, band] or None
     # (nq = bs.q_buffers: head t's Q, then its O, in slot t % nq).
-    W, bkv, G, nq, ahead = bs.num_compute_wgs, bs.block_kv, spec.group_size, bs.q_buffers, bs.q_ahead
+    W, bkv, G, nq, ahead = bs.num_compute_wgs, bs.block_kv, spec.group_size, bs.q_buffers, bs.ahead
     band, dtype = nb * bkv, jnp.dtype(spec.dtype)
     block, kv_head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")

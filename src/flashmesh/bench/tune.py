@@ -132,8 +132,7 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
         best = res["best"]
         if best.get("kernel") == "window":  # every field that differs from WindowBlockSizes' defaults
             fields, flags = ("kernel", "block_kv", "num_compute_wgs"), ("pingpong", "q_buffers", "q_ahead")
-            # (q_ahead's default follows q_buffers: q_buffers - 1)
-            defaults = dataclasses.asdict(common.WindowBlockSizes()) | {"q_ahead": best.get("q_buffers", 2) - 1}
+            defaults = dataclasses.asdict(common.WindowBlockSizes())  # (q_ahead None: q_buffers - 1)
         else:  # the schedule flags only where they differ from BlockSizes' defaults
             fields = ("block_q", "block_kv", "num_stages", "num_compute_wgs", "intra_wg_overlap")
             flags, defaults = ("persistent", "reuse_q_for_o"), dataclasses.asdict(common.BlockSizes())
