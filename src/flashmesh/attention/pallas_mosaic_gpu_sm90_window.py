@@ -15,13 +15,13 @@ Structure: a grid over (64-position query block, kv head, batch); W compute warp
 memory warpgroup. Warpgroup 0 loads the band's K and V once (one TMA each, nb * block_kv rows
 from tile `lo`, clamped so the band stays inside the padded keys), after the first Q, and the
 first head's S GEMM waits only for K. Warpgroup w then takes the group's query heads w, w + W,
-...: per head it loads the Q of the head `WindowBlockSizes.q_ahead` ahead into a ring of
+...: per head it loads the Q of the head `WindowBlockSizes.ahead` heads ahead into a ring of
 `q_buffers` slots (2 and 1: double buffering; more keep more loads in flight for the
 memory-bound kernel, Q and O being nearly all its traffic, or let the slot's last O store
-finish under a head's work), runs S = Q Kᵀ (WGMMA), masks
-the band element-wise (`band_mask`), takes the exact softmax in exp2 (scale folded into exp2's
-argument, one FMA per logit), O = P V (P from registers), and stores O from its Q buffer and
-lse by TMA while the next head computes. With
+finish under a head's work), runs S = Q Kᵀ (WGMMA), masks the band element-wise
+(`band_mask`), takes the exact softmax in exp2 (scale folded into exp2's argument, one FMA per
+logit), O = P V (P from registers), and stores O from its Q buffer and lse by TMA while the
+next head computes. With
 `WindowBlockSizes.pingpong` the two warpgroups take turns issuing their GEMMs (named barriers,
 as the general kernel), so one's softmax runs under the other's GEMMs. K/V traffic from L2 is
 divided by G against the general kernel, and each query block meets ceil((63 + left + right) /
