@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -68,6 +69,12 @@ CASES = [
     # empty tile inside a CTA's loop).
     Case("persistent_empty_tiles_o_in_q", T=256, S=64, N=2, K=2, window=(-1, 0),
          bottom_right=True, blocks=dataclasses.replace(ONE_WG, persistent=True)),
+    # tma_tails: Q, K, V read in place (T, S multiples of 8, not of the tiles): the second query
+    # tile's second warpgroup reads rows 192..255 of 200, the last key tile 8 of 64 keys, and
+    # TMA fills the rest with zeros and drops O's rows past T; persistent, O in its own buffer
+    Case("tma_tails_persistent_causal", T=200, S=136, N=2, K=1, window=(-1, 0),
+         bottom_right=True, blocks=BlockSizes(block_q=128, block_kv=64, num_stages=3,
+                                              reuse_q_for_o=False, persistent=True, tma_tails=True)),
 ]
 
 # GPU only (too large for the interpreter): the probe's tiles at full size.
@@ -122,6 +129,17 @@ GPU_CASES = [
          blocks=BlockSizes(reuse_q_for_o=False, persistent=True)),
     Case("d128_causal_persistent_o_in_q_learnable", T=1024, S=1024, N=16, K=16, Dqk=128,
          Dv=128, window=(-1, 0), softmax="learnable", blocks=BlockSizes(persistent=True)),
+    # tma_tails (written 2026-12-06 without a GPU): in place, a query tile past T wholly
+    # (block_q 192 over T = 1000 leaves a warpgroup's rows of the last tile past it), KV splits,
+    # and lengths off the multiples of 8 (padded copies)
+    Case("d128_causal_tma_tails", T=1000, S=904, N=8, K=2, Dqk=128, Dv=128, window=(-1, 0),
+         bottom_right=True, blocks=BlockSizes(tma_tails=True)),
+    Case("d64_three_wg_tma_tails", T=1000, S=1000, Dqk=64, Dv=64,
+         blocks=BlockSizes(block_q=192, num_compute_wgs=3, num_stages=4, tma_tails=True)),
+    Case("kv_splits_tma_tails", T=64, S=1000, N=4, K=1, Dqk=128, Dv=128, softmax="learnable",
+         blocks=BlockSizes(block_q=64, num_compute_wgs=1, num_splits=3, tma_tails=True)),
+    Case("tma_tails_odd_lengths_padded", T=1001, S=999, N=2, K=1, Dqk=128, Dv=128,
+         window=(100, 0), blocks=BlockSizes(tma_tails=True, persistent=True)),
 ]
 
 
@@ -237,6 +255,7 @@ LOWERINGS = [
                                                            persistent=True)),
     (1000, 96, 96, (-1, 0), "vanilla", None, BlockSizes(block_kv=64)),  # 64-byte swizzle
     (1000, 80, 32, (-1, -1), "vanilla", None, BlockSizes(block_kv=64)),  # 32-byte swizzle
+    (1000, 128, 128, (-1, 0), "vanilla", None, BlockSizes(tma_tails=True)),  # T read in place
 ]
 
 
@@ -261,6 +280,41 @@ def test_gpu_path_lowers_on_cpu(T, Dqk, Dv, window, softmax, cap, blocks):
         lower()
     assert f"smem_bytes={blocks.smem_bytes(spec)} " in str(e.value), str(e.value)
     lower()
+
+
+def kernel_lengths(f, *args) -> tuple[int, ...]:
+    """The sequence lengths of the first Mosaic GPU kernel f launches: its q, k, v operands'
+    and its output's (axis 1), read from f's jaxpr."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "mpmd_map":  # a plgpu.kernel launch
+                return eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                if (found := walk(sub)) is not None:
+                    return found
+        return None
+
+    launch = walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return tuple(v.aval.shape[1] for v in launch.invars[:3]) + (launch.outvars[0].aval.shape[1],)
+
+
+@pytest.mark.parametrize("T, S, in_place", [(200, 136, (200, 136, 136, 200)),
+                                            (200, 130, (200, 192, 192, 200)),
+                                            (100, 136, (128, 136, 136, 128))])
+def test_tma_tails_reads_lengths_in_place(T, S, in_place):
+    """With tma_tails, q (k and v) of a length that is a multiple of 8 reach the kernel
+    unpadded and O leaves it unsliced; other lengths are still padded copies. Without it,
+    every tail is."""
+    q = jax.ShapeDtypeStruct((1, T, 2, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, S, 2, 64), jnp.bfloat16)
+
+    def lengths(blocks):
+        return kernel_lengths(lambda q, k, v: sm90.forward(q, k, v, scale=0.1, block_sizes=blocks),
+                              q, kv, kv)
+
+    blocks = BlockSizes(block_q=128, block_kv=64)
+    assert lengths(dataclasses.replace(blocks, tma_tails=True)) == in_place
+    assert lengths(blocks) == (256, 192, 192, 256)
 
 
 def test_refuses_features_and_bad_sinks():

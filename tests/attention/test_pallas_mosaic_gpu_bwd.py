@@ -102,6 +102,15 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     # persistent_dq under a causal mask: the query-tile-major order (3 CTAs over 4 x 2 tiles)
     Case("persistent_dq_causal_q_major_gqa", T=256, S=256, N=2, K=1, window=(-1, 0),
          blocks=dataclasses.replace(ONE_WG, persistent_dq=True)),
+    # tma_tails: q, dO, O, k, v of lengths that are multiples of 8 (not of the tiles) read in
+    # place, TMA filling the rows past their ends with zeros, dQ, dK, dV written in place; the
+    # two-kernel form with delta from O (the dQ kernel's tail tile past T), then the fused one
+    # whose second warpgroup's keys 192..255 lie wholly past S (a load all of zeros)
+    Case("tma_tails_delta_in_dq_causal_gqa", T=200, S=136, N=2, K=1, window=(-1, 0),
+         blocks=BBS(num_stages=2, delta_in_dq=True, tma_tails=True), races=True),
+    Case("tma_tails_fused_columns_d128_learnable", T=200, S=136, N=2, K=1, Dqk=128, Dv=64,
+         softmax="learnable", blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
+                                         tma_tails=True)),
     # d256: delta summed over O's and dO's two 128-column slices
     Case("delta_in_dq_d256_column_slices", T=128, S=128, N=1, K=1, Dqk=256, Dv=256, window=(-1, 0),
          blocks=dataclasses.replace(ONE_WG, num_stages=1, split_dkv=True, delta_in_dq=True)),
@@ -206,6 +215,15 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          Dv=128, window=(-1, 0), softmax="learnable", blocks=BBS(num_stages=2, delta_in_dq=True)),
     Case("gpu_delta_in_dq_mla_128_64_f16", T=512, S=512, N=4, K=1, Dqk=128, Dv=64,
          window=(-1, 0), dtype="float16", blocks=BBS(num_stages=2, delta_in_dq=True)),
+    # tma_tails (written 2026-12-06 without a GPU): the two-kernel default and the fused form
+    # with lengths read in place, then lengths off the multiples of 8 (padded copies)
+    Case("gpu_tma_tails_d128_causal_gqa", T=1000, S=904, N=8, K=2, Dqk=128, Dv=128,
+         window=(-1, 0), bottom_right=True, blocks=BBS(num_stages=2, tma_tails=True)),
+    Case("gpu_tma_tails_fused_columns_d128_full", T=712, S=904, N=4, K=4, Dqk=128, Dv=128,
+         blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, tma_tails=True)),
+    Case("gpu_tma_tails_persistent_delta_window_odd", T=1001, S=999, N=8, K=1, Dqk=128,
+         Dv=128, window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True,
+                                             delta_in_dq=True, tma_tails=True)),
 ]
 
 
@@ -319,6 +337,11 @@ def test_backward_gpu(case):
                                      delta_in_dq=True)),
     Case("delta_in_dq_mla_128_64", T=512, S=512, N=4, K=1, Dqk=128, Dv=64, window=(-1, 0),
          blocks=BBS(num_stages=2, delta_in_dq=True)),
+    Case("tma_tails_fused_columns_d128", T=1000, S=904, N=4, K=2, Dqk=128, Dv=128,
+         window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, tma_tails=True)),
+    Case("tma_tails_delta_in_dq_persistent_d128", T=1000, S=904, N=4, K=1, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True,
+                                     delta_in_dq=True, tma_tails=True)),
     # d256: delta summed over two 128-column slices of O and dO (one warpgroup, one stage)
     Case("delta_in_dq_d256_split_dkv_one_wg", T=256, S=256, N=2, K=1, Dqk=256, Dv=256,
          window=(-1, 0), blocks=dataclasses.replace(ONE_WG, num_stages=1, split_dkv=True,

@@ -260,6 +260,13 @@ class BlockSizes:
       warpgroups finish the last, and with O in its own buffer (not `reuse_q_for_o`) the next
       Q loads under the last P·V and the O store completes under the next tile. Not with
       num_splits > 1.
+    tma_tails: a length that is not a multiple of the tiles is read and written in place
+      (`in_place`: lengths that are multiples of 8, which Mosaic GPU's TMA tiling needs):
+      TMA fills the rows of a tile past the end of Q, K or V with zeros and drops the rows
+      of an O tile past T (what the zero padding gives), so Q, K and V are not copied into
+      padded arrays and O is not sliced out of one. False (the default until run compiled on
+      a GPU): the padded copies. The lse, dropout hashes, token tables and bias stay padded
+      (TMA needs their rows' strides in multiples of 16 bytes; they are small but the bias).
     """
 
     block_q: int = 128
@@ -274,6 +281,7 @@ class BlockSizes:
     lpt_order: bool = True
     num_splits: int = 1
     persistent: bool = False
+    tma_tails: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -295,7 +303,8 @@ class BlockSizes:
             object.__setattr__(self, "memory_registers", memory)
         if self.pingpong is None:
             object.__setattr__(self, "pingpong", self.num_compute_wgs >= 2)
-        for name in ("pingpong", "intra_wg_overlap", "reuse_q_for_o", "lpt_order", "persistent"):
+        for name in ("pingpong", "intra_wg_overlap", "reuse_q_for_o", "lpt_order", "persistent",
+                     "tma_tails"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.persistent and self.num_splits > 1:
@@ -383,6 +392,18 @@ def swizzle_for(minor_bytes: int) -> int:
                               f"a multiple of {SWIZZLES[-1]} bytes (WGMMA's swizzled layouts)")
 
 
+# Rows of the tiling `smem_tile` gives every TMA-copied tile; Mosaic GPU (0.11.2) applies it to
+# the whole global array, whose sequence axis must then be a multiple of it (or at most it).
+TMA_TILE_ROWS = 8
+
+
+def in_place(length: int, tma_tails: bool) -> bool:
+    """Whether a kernel reads (and writes) a sequence of `length` rows in place, TMA filling a
+    tail tile's rows past the end with zeros and dropping stores past it (`tma_tails`), rather
+    than from a copy padded to the tiles: only where Mosaic GPU's TMA tiling allows it."""
+    return tma_tails and (length % TMA_TILE_ROWS == 0 or length < TMA_TILE_ROWS)
+
+
 def smem_tile(shape, dtype):
     """plgpu.SMEM of `shape` with the tiling and swizzle WGMMA wants for its minor dim
     (`swizzle_for`); the forward, backward and window kernels allocate their tiles with it."""
@@ -411,21 +432,25 @@ class WindowBlockSizes:
     1 .. q_buffers - 1 (`ahead`; None, to which q_buffers - 1 is normalised: q_buffers - 1, so
     the default follows q_buffers under `dataclasses.replace`). Loading into the slot the last
     head's O has just left waits for that O's store to read it; q_ahead = q_buffers - 2 loads
-    into the slot of the head before it, whose store has had a head's time to finish."""
+    into the slot of the head before it, whose store has had a head's time to finish.
+    tma_tails: as `BlockSizes.tma_tails` (Q, K, V read and O written in place where the length
+    is a multiple of 8; off until run compiled on a GPU)."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
     pingpong: bool = False
     q_buffers: int = 2
     q_ahead: int | None = None
+    tma_tails: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
             raise ValueError(f"WindowBlockSizes.block_kv={self.block_kv!r} must be 64 or 128")
         if self.num_compute_wgs not in (1, 2):
             raise ValueError(f"WindowBlockSizes.num_compute_wgs={self.num_compute_wgs!r} must be 1 or 2")
-        if not isinstance(self.pingpong, bool):
-            raise ValueError(f"WindowBlockSizes.pingpong must be a bool, got {self.pingpong!r}")
+        for name in ("pingpong", "tma_tails"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"WindowBlockSizes.{name} must be a bool, got {getattr(self, name)!r}")
         if self.pingpong and self.num_compute_wgs < 2:
             raise ValueError(f"WindowBlockSizes.pingpong=True needs num_compute_wgs=2, got "
                              f"{self.num_compute_wgs}")

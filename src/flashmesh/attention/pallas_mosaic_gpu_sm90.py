@@ -136,7 +136,7 @@ from jaxtyping import Array, Float
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_BYTES, WARPGROUP,
-                                                            BlockSizes, check_spec,
+                                                            BlockSizes, check_spec, in_place,
                                                             smem_tile, split_part)
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, dropout_row_hash,
@@ -200,11 +200,11 @@ def _pair_in_turn(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_
 def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref, lse_ref, smem,
             barriers, *, spec: AttentionSpec, bs: BlockSizes, interpret: bool):
     # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv] (GMEM, padded to the
-    # block multiples Tp, Sp); sink_ref [N, rows] f32 (the sink logit times log2 e) or None;
+    # block multiples Tp, Sp, or T and S in place: `in_place`); sink_ref [N, rows] f32 (the sink logit times log2 e) or None;
     # hash_ref [B, N, Tp] uint32 (dropout_row_hash) or None; bias_ref [B|1, N|1, Tp, Sp] in
     # the input dtype or None; tok_refs None or (ranges
     # [B, Tp / block_q, 4], q tables ([B, Tp] ids, positions under a window), kv tables [B, Sp])
-    # out_ref [B, Tp, N, Dv], lse_ref [B, N, Tp] float32 (GMEM)
+    # out_ref [B, Tp (T in place), N, Dv], lse_ref [B, N, Tp] float32 (GMEM)
     # q_smem [W, rows, Dqk], k_smem [stages, block_kv, Dqk], v_smem [stages, block_kv, Dv],
     # o_smem [W, rows, Dv] or None (O staged in q_smem), lse_smem [W, rows] f32,
     # p_smem [W, rows, block_kv] or None, sink_smem [W, rows] f32 or None,
@@ -221,7 +221,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     o_in_q = o_smem is None
     o_smem = q_smem if o_in_q else o_smem
     dtype = jnp.dtype(spec.dtype)
-    num_q_tiles = q_ref.shape[1] // bs.block_q
+    num_q_tiles = -(-spec.q_len // bs.block_q)
     splits = bs.num_splits
     wg = lax.axis_index("wg")
     if bs.persistent:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile)
@@ -578,16 +578,20 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
     if dropout_hash is not None:
         dropout_hash = pad_to(dropout_hash, 2, bs.block_q)  # padded rows are dropped anyway
     # Tails: zero-pad T and S to the block multiples (padded keys are masked in the kernel),
-    # then slice the outputs back to T.
-    q = pad_to(q, 1, bs.block_q)
-    k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
+    # then slice the outputs back to T; in place (tma_tails) TMA reads zeros past the ends
+    # and drops O's rows past T, so only the small arrays (and the bias) are padded.
+    Tp = -(-spec.q_len // bs.block_q) * bs.block_q
+    Sp = -(-spec.kv_len // bs.block_kv) * bs.block_kv
+    if not in_place(spec.q_len, bs.tma_tails):
+        q = pad_to(q, 1, bs.block_q)
+    if not in_place(spec.kv_len, bs.tma_tails):
+        k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
     if bias is not None:  # padded rows and columns are dropped or masked: zeros
         bias = pad_to(pad_to(bias.astype(q.dtype), 2, bs.block_q), 3, bs.block_kv)
-    Tp = q.shape[1]
     W = bs.num_compute_wgs
     dtype = jnp.dtype(spec.dtype)
     tok = None if tables is None else tokens.kernel_arrays(spec, tables, bs.block_q, bs.block_kv,
-                                                           q_len=Tp, kv_len=k.shape[1])
+                                                           q_len=Tp, kv_len=Sp)
     n_tok = tokens.per_side(spec)
     smem = [
         smem_tile((W, bs.rows_per_wg, spec.qk_dim), dtype),
@@ -633,7 +637,8 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
         pl.run_scoped(body, *[a for a in smem + barriers if a is not None], collective_axes="wg")
 
     lead = (splits,) if splits > 1 else ()  # one normalised output and lse per split
-    out_type = (jax.ShapeDtypeStruct(lead + (spec.batch, Tp, spec.num_heads, spec.v_dim), dtype),
+    To = q.shape[1]  # T in place (O's tail rows dropped by TMA), else Tp
+    out_type = (jax.ShapeDtypeStruct(lead + (spec.batch, To, spec.num_heads, spec.v_dim), dtype),
                 jax.ShapeDtypeStruct(lead + (spec.batch, spec.num_heads, Tp), jnp.float32))
     inputs = (q, k, v) + tuple(x for x in optional if x is not None) + tok_inputs
     if bs.persistent:

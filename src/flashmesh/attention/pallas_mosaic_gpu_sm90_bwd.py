@@ -120,7 +120,7 @@ from jax import lax
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (band_kv_range, check_spec, clamp_within,
-                                                            smem_tile)
+                                                            in_place, smem_tile)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_dkv import kernel_dkv, step_copies
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, pad_to)
@@ -140,7 +140,7 @@ from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, tok_refs, dq_ref,
                dbias_ref, delta_out_ref, smem, barriers, *, spec: AttentionSpec,
                bs: BackwardBlockSizes, interpret: bool):
-    # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk],
+    # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk] (T, S in place),
     # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # q_smem [W, rows, Dqk] (then dQ's epilogue, unless dq_smem), do_smem [W, rows, Dv], lse_smem,
@@ -167,7 +167,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     W, stages, bkv = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq
     rows = bs.block_q_dq // W
     dtype = jnp.dtype(spec.dtype)
-    num_q_tiles = q_ref.shape[1] // bs.block_q_dq
+    num_q_tiles = lse_ref.shape[-1] // bs.block_q_dq  # lse is padded to the tiles (q may not be)
     wg = lax.axis_index("wg")
     num_local = None  # one tile per CTA
     if bs.persistent_dq:  # CTA c takes the tiles c, c + C, c + 2C, ... of the flat order:
@@ -429,12 +429,13 @@ def _interpret_params(interpret):
 def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret):
     W, stages, bq, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_q, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_kv // W, row_hash is not None
-    nkv = k.shape[1] // bs.block_kv
+    Tp, Sp = padded_lengths(spec, bs)
+    nkv = Sp // bs.block_kv
     n_tok, grid = tokens.per_side(spec), (spec.num_kv_heads, nkv, spec.batch)  # head-major (L2)
     tok = None
     if tables is not None:
-        arrays = tokens.kernel_arrays(spec, tables, bq, bs.block_kv, q_len=q.shape[1],
-                                      kv_len=k.shape[1], transpose=True, num_tiles=nkv)
+        arrays = tokens.kernel_arrays(spec, tables, bq, bs.block_kv, q_len=Tp, kv_len=Sp,
+                                      transpose=True, num_tiles=nkv)
         tok = (arrays.ranges, arrays.q_side, arrays.kv_side)
     smem = [smem_tile((W, rows, spec.qk_dim), dtype), smem_tile((W, rows, spec.v_dim), dtype),
             smem_tile((stages, bq, spec.qk_dim), dtype), smem_tile((stages, bq, spec.v_dim), dtype),
@@ -485,12 +486,13 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret, o
     computes delta itself and returns it (delta_in_dq)."""
     W, stages, bkv, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_q_dq // W, row_hash is not None
-    nq = q.shape[1] // bs.block_q_dq
+    Tp, Sp = padded_lengths(spec, bs)
+    nq = Tp // bs.block_q_dq
     n_tok, grid = tokens.per_side(spec), (spec.num_heads, nq, spec.batch)  # head-major (L2)
     tok = None
     if tables is not None:
-        arrays = tokens.kernel_arrays(spec, tables, bs.block_q_dq, bkv, q_len=q.shape[1],
-                                      kv_len=k.shape[1], num_tiles=nq)
+        arrays = tokens.kernel_arrays(spec, tables, bs.block_q_dq, bkv, q_len=Tp, kv_len=Sp,
+                                      num_tiles=nq)
         tok = (arrays.ranges, arrays.q_side, arrays.kv_side)
     smem = [smem_tile((W, rows, spec.qk_dim), dtype), smem_tile((W, rows, spec.v_dim), dtype),
             plgpu.SMEM((W, rows), jnp.float32), plgpu.SMEM((W, rows), jnp.float32),
@@ -579,19 +581,23 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
             delta = delta * jnp.float32(masks.keep_probability(spec.dropout_rate))
     # Tails: zero-pad T and S to multiples of both kernels' tiles. Padded query rows get
     # q = dO = lse = delta = 0 (finite P, exactly zero dS and dV terms); padded keys are masked.
-    q_mult, kv_mult = np.lcm(bs.block_q, bs.block_q_dq), np.lcm(bs.block_kv, bs.block_kv_dq)
-    qp, dop = pad_to(q, 1, int(q_mult)), pad_to(do.astype(q.dtype), 1, int(q_mult))
-    kp, vp = pad_to(k, 1, int(kv_mult)), pad_to(v, 1, int(kv_mult))
-    lse2 = pad_to(lse * jnp.float32(LOG2E), 2, int(q_mult))
-    delta = None if delta is None else pad_to(delta, 2, int(q_mult))
+    # In place (tma_tails) TMA reads those zeros past the ends of q, dO, O, k, v and drops the
+    # rows of dQ, dK, dV past them; lse, delta, the hashes, tables and bias are padded still.
+    q_mult, kv_mult = tile_multiples(bs)
+    q_pad = (lambda x: x) if in_place(spec.q_len, bs.tma_tails) else (lambda x: pad_to(x, 1, q_mult))
+    kv_pad = (lambda x: x) if in_place(spec.kv_len, bs.tma_tails) else (lambda x: pad_to(x, 1, kv_mult))
+    qp, dop = q_pad(q), q_pad(do.astype(q.dtype))
+    kp, vp = kv_pad(k), kv_pad(v)
+    lse2 = pad_to(lse * jnp.float32(LOG2E), 2, q_mult)
+    delta = None if delta is None else pad_to(delta, 2, q_mult)
     if dropout_hash is not None:  # padded rows have dO = 0: their hash does not matter
-        dropout_hash = pad_to(dropout_hash, 2, int(q_mult))
+        dropout_hash = pad_to(dropout_hash, 2, q_mult)
     bias_p = bias_t = None
     if bias is not None:  # zero-padded like q, k; the dK/dV kernel reads it transposed
-        bias_p = pad_to(pad_to(bias.astype(q.dtype), 2, int(q_mult)), 3, int(kv_mult))
+        bias_p = pad_to(pad_to(bias.astype(q.dtype), 2, q_mult), 3, kv_mult)
         bias_t = bias_p.swapaxes(2, 3)
     if in_dq:  # the dQ kernel first: it writes the delta the dK/dV kernel reads
-        outp = pad_to(out.astype(q.dtype), 1, int(q_mult))
+        outp = q_pad(out.astype(q.dtype))
         dq, dbias, delta = _dq(qp, kp, vp, dop, lse2, None, dropout_hash, bias_p, tables, spec, bs,
                                interpret, out=outp)
     dk, dv, dq_fused = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs,
@@ -613,6 +619,18 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     if dbias is not None:
         dbias = _reduce_dbias(dbias[:, :, :T, :S], spec, tables, bs).astype(bias.dtype)
     return dq[:, :T], dk[:, :S], dv[:, :S], dsink, dbias
+
+
+def tile_multiples(bs: BackwardBlockSizes) -> tuple[int, int]:
+    """The multiples of both kernels' query and key tiles."""
+    return int(np.lcm(bs.block_q, bs.block_q_dq)), int(np.lcm(bs.block_kv, bs.block_kv_dq))
+
+
+def padded_lengths(spec: AttentionSpec, bs: BackwardBlockSizes) -> tuple[int, int]:
+    """(Tp, Sp): T and S rounded up to `tile_multiples`, the lengths the kernels' grids, lse,
+    delta and tables cover (q, k, v themselves in place or padded)."""
+    q_mult, kv_mult = tile_multiples(bs)
+    return -(-spec.q_len // q_mult) * q_mult, -(-spec.kv_len // kv_mult) * kv_mult
 
 
 def _reduce_dbias(dbias, spec: AttentionSpec, tables, bs: BackwardBlockSizes):

@@ -33,7 +33,7 @@ def step_copies(spec: AttentionSpec, bs: BackwardBlockSizes, *, dropout: bool, b
 def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, dq_ref, tok_refs,
                 dk_ref, dv_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
                 interpret: bool, part: str = "both"):
-    # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk],
+    # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk] (T, S in place),
     # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # k_smem [W, rows, Dqk], v_smem [W, rows, Dv] (this CTA's keys; then dK, dV's epilogue),

@@ -103,6 +103,10 @@ class BackwardBlockSizes:
       anchor's 0.893 ms backward on the H200, 2026-12-05: a pass over 537 MB). Not with fused_dq
       (no dQ kernel); a call with an lse cotangent takes XLA's delta. Off by default until timed
       on a GPU (written 2026-12-05 without one).
+    tma_tails: as `BlockSizes.tma_tails`: Q, dO, O, K and V of a length that is a multiple of 8
+      but not of the tiles are read in place (TMA fills the rows past the end with zeros) and
+      dQ, dK, dV written in place (TMA drops the rows past it), instead of padded copies in
+      and sliced copies out. Off until run compiled on a GPU (written 2026-12-06 without one).
     """
 
     block_q: int = 64
@@ -121,6 +125,7 @@ class BackwardBlockSizes:
     wg_ranges: bool = False
     persistent_dq: bool = False
     delta_in_dq: bool = False
+    tma_tails: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -137,7 +142,7 @@ class BackwardBlockSizes:
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
         for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap", "wg_ranges",
-                     "persistent_dq", "delta_in_dq"):
+                     "persistent_dq", "delta_in_dq", "tma_tails"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:

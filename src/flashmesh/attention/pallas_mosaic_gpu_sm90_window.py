@@ -54,7 +54,7 @@ from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_sm90_parts as parts
 from flashmesh.attention.pallas_mosaic_gpu_common import (WARPGROUP, WINDOW_ROWS, WindowBlockSizes,
-                                                            band_kv_range, check_spec, smem_tile,
+                                                            band_kv_range, check_spec, in_place, smem_tile,
                                                             window_reason)
 from flashmesh.attention.pallas_mosaic_gpu_inputs import check_sink, pad_to
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionSpec
@@ -65,8 +65,9 @@ ROWS = WINDOW_ROWS
 def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_smem, o_smem,
             lse_smem, p_smem, kv_ready, q_ready, *, spec: AttentionSpec, bs: WindowBlockSizes,
             nb: int, interpret: bool):
-    # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv], sink_ref [N] f32
-    # (the sink logit) or None; out_ref [B, Tp, N, Dv], lse_ref [B, N, Tp] f32.
+    # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv] (T, S in place),
+    # sink_ref [N] f32 (the sink logit) or None; out_ref [B, Tp (T in place), N, Dv], lse_ref
+    # [B, N, Tp] f32.
     # k_smem [band, Dqk], v_smem [band, Dv]; q_smem [W, nq, 64, Dqk]; o_smem [W, nq, 64, Dv] or
     # None (O in the Q buffer); lse_smem [W, nq, 64] f32; p_smem [W, 64, band] or None
     # (nq = bs.q_buffers: head t's Q, then its O, in slot t % nq).
@@ -74,10 +75,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     band, dtype = nb * bkv, jnp.dtype(spec.dtype)
     block, kv_head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    nk = k_ref.shape[1] // bkv
+    nk = -(-spec.kv_len // bkv)
     r = band_kv_range(block, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
                       diagonal_offset=spec.diagonal_offset, block_q=ROWS, block_kv=bkv)
-    lo = jnp.clip(r.lo, 0, nk - nb)  # the band: tiles lo .. lo + nb - 1, inside the padding
+    lo = jnp.clip(r.lo, 0, nk - nb)  # the band: tiles lo .. lo + nb - 1, inside the tiles
     row0 = block * ROWS
     o_smem = q_smem if o_smem is None else o_smem
     heads = G // W  # per warpgroup: group heads wg, wg + W, ...
@@ -210,9 +211,13 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
     if sink is not None:
         sink = sink.astype(jnp.float32)
     nb, W, dtype = bs.band_tiles(spec), bs.num_compute_wgs, jnp.dtype(spec.dtype)
-    q = pad_to(q, 1, ROWS)
-    k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
-    band, Tp, nq = nb * bs.block_kv, q.shape[1], bs.q_buffers
+    # Tails: zero-padded copies, or in place (tma_tails: TMA reads zeros past the ends and
+    # drops O's rows past T)
+    if not in_place(spec.q_len, bs.tma_tails):
+        q = pad_to(q, 1, ROWS)
+    if not in_place(spec.kv_len, bs.tma_tails):
+        k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
+    band, Tp, nq = nb * bs.block_kv, -(-spec.q_len // ROWS) * ROWS, bs.q_buffers
     scratch = [smem_tile((band, spec.qk_dim), dtype), smem_tile((band, spec.v_dim), dtype),
                smem_tile((W, nq, ROWS, spec.qk_dim), dtype),
                None if spec.qk_dim == spec.v_dim else smem_tile((W, nq, ROWS, spec.v_dim), dtype),
@@ -232,7 +237,7 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
 
         pl.run_scoped(body, *[a for a in scratch if a is not None], collective_axes="wg")
 
-    out_type = (jax.ShapeDtypeStruct((spec.batch, Tp, spec.num_heads, spec.v_dim), dtype),
+    out_type = (jax.ShapeDtypeStruct((spec.batch, q.shape[1], spec.num_heads, spec.v_dim), dtype),
                 jax.ShapeDtypeStruct((spec.batch, spec.num_heads, Tp), jnp.float32))
     inputs = (q, k, v) + ((sink,) if sink is not None else ())
     out, lse = plgpu.kernel(
