@@ -1,5 +1,8 @@
-"""Shared by the Mosaic GPU kernel tests: the interpreter fixture and the relative-error check."""
+"""Shared by the Mosaic GPU kernel tests: the interpreter fixture, the relative-error check and
+the sequence lengths a kernel launch sees."""
 
+import jax
+import jax.extend
 import numpy as np
 import pytest
 
@@ -27,3 +30,19 @@ def rel_l2(name: str, actual, expected, tol: float) -> float:
         raise AssertionError(f"{name}: relative L2 error {err:.3g} > {tol:.3g}; worst at {idx}: "
                              f"got {a[idx]!r}, expected {e[idx]!r}")
     return float(err)
+
+
+def kernel_lengths(f, *args) -> tuple[int, ...]:
+    """The sequence lengths of the first Mosaic GPU kernel f launches: its q, k, v operands'
+    and its output's (axis 1), read from f's jaxpr."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "mpmd_map":  # a plgpu.kernel launch
+                return eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                if (found := walk(sub)) is not None:
+                    return found
+        return None
+
+    launch = walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return tuple(v.aval.shape[1] for v in launch.invars[:3]) + (launch.outvars[0].aval.shape[1],)

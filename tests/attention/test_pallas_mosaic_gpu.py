@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ import flashmesh
 from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
 from flashmesh.attention.spec import EMPTY_ROW_LSE
-from mosaic_testing import interpreter  # noqa: F401  (a fixture)
+from mosaic_testing import interpreter, kernel_lengths  # noqa: F401  (interpreter: a fixture)
 from semantics import assert_close, assert_fa_rule
 
 
@@ -282,22 +281,6 @@ def test_gpu_path_lowers_on_cpu(T, Dqk, Dv, window, softmax, cap, blocks):
     lower()
 
 
-def kernel_lengths(f, *args) -> tuple[int, ...]:
-    """The sequence lengths of the first Mosaic GPU kernel f launches: its q, k, v operands'
-    and its output's (axis 1), read from f's jaxpr."""
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "mpmd_map":  # a plgpu.kernel launch
-                return eqn
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                if (found := walk(sub)) is not None:
-                    return found
-        return None
-
-    launch = walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return tuple(v.aval.shape[1] for v in launch.invars[:3]) + (launch.outvars[0].aval.shape[1],)
-
-
 @pytest.mark.parametrize("T, S, in_place", [(200, 136, (200, 136, 136, 200)),
                                             (200, 130, (200, 192, 192, 200)),
                                             (100, 136, (128, 136, 136, 128))])
@@ -314,7 +297,8 @@ def test_tma_tails_reads_lengths_in_place(T, S, in_place):
 
     blocks = BlockSizes(block_q=128, block_kv=64)
     assert lengths(dataclasses.replace(blocks, tma_tails=True)) == in_place
-    assert lengths(blocks) == (256, 192, 192, 256)
+    Tp, Sp = -(-T // 128) * 128, -(-S // 64) * 64
+    assert lengths(blocks) == (Tp, Sp, Sp, Tp)
 
 
 def test_refuses_features_and_bad_sinks():

@@ -34,7 +34,7 @@ from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import band_q_range
 from flashmesh.attention import reference
 from flashmesh.attention.pallas_mosaic_gpu_common import q_ranges
 from flashmesh.attention.spec import AttentionInputs
-from mosaic_testing import interpreter, rel_l2  # noqa: F401  (interpreter: a fixture)
+from mosaic_testing import interpreter, kernel_lengths, rel_l2  # noqa: F401  (interpreter: a fixture)
 
 BBS = bwd.BackwardBlockSizes
 
@@ -377,6 +377,20 @@ def test_gpu_path_lowers_for_cuda(case, monkeypatch):
         *dkv, dq = counted  # the split dK/dV passes are two launches
     assert len(dkv) == (2 if blocks.split_dkv else 1), counted
     assert max(dkv) <= estimate["dkv"] and dq <= estimate["dq"], (counted, estimate)
+
+
+@pytest.mark.parametrize("tails, lengths", [(False, (256, 256, 256, 256)),
+                                             (True, (200, 136, 136, 136))])
+def test_tma_tails_reads_lengths_in_place(tails, lengths):
+    """The dK/dV kernel's q, k, v operands and dk (axis 1) with and without tma_tails: T = 200
+    and S = 136 in place, or padded to the tiles' multiples (256)."""
+    case = Case("lengths", T=200, S=136)
+    q, k, v, do, _ = make_inputs(case)
+    spec = sm90.spec_for(q, k, v, scale=0.1)
+    lse = jnp.zeros((1, case.N, case.T), jnp.float32)
+    blocks = BBS(num_stages=2, tma_tails=tails)
+    f = lambda *a: bwd.backward_spec(*a, spec, block_sizes=blocks)
+    assert kernel_lengths(f, q, k, v, do, lse, do) == lengths
 
 
 @pytest.mark.parametrize("T,S,window,bottom_right,bq,bkv", [

@@ -65,6 +65,10 @@ CASES = [
      WindowBlockSizes(pingpong=True, q_buffers=3, q_ahead=1)),
     (Case("q_ring_4_pingpong_mla", T=64, S=64, N=6, K=1, Dqk=64, Dv=32, window=(30, 0)),
      WindowBlockSizes(pingpong=True, q_buffers=4)),
+    # tma_tails: Q, K, V read in place (T, S multiples of 8): the last block's rows 192..255
+    # past T = 200, the band's keys past S = 136 zeros from TMA, O's rows past T dropped
+    (Case("tma_tails_two_sided_learnable", T=200, S=136, N=2, K=1, window=(40, 10),
+          softmax="learnable"), WindowBlockSizes(num_compute_wgs=1, tma_tails=True)),
 ]
 GPU_CASES = [
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -84,6 +88,11 @@ GPU_CASES = [
           window=(128, 0)), WindowBlockSizes(pingpong=True, q_buffers=3)),
     (Case("seed_heads_w128_q_ring_4_ahead_2", T=4096, S=4096, N=16, K=1, Dqk=128, Dv=128,
           window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2)),
+    # tma_tails (written 2026-12-06 without a GPU): in place, then off the multiples of 8
+    (Case("w128_tma_tails", T=1000, S=1000, N=16, K=1, Dqk=128, Dv=128, window=(128, 0)),
+     WindowBlockSizes(tma_tails=True)),
+    (Case("w128_tma_tails_odd_padded", T=999, S=999, N=16, K=1, Dqk=128, Dv=128,
+          window=(128, 0)), WindowBlockSizes(tma_tails=True, pingpong=True)),
 ]
 
 
@@ -164,6 +173,7 @@ def test_gradients_through_the_backend_interpret(interpreter):
     (1000, 4, 2, 128, 64, (100, 30), "learnable", 5.0, True, 2),
     (1000, 4, 2, 128, 64, (64, 0), "learnable", 5.0, True, 3),  # O in slots of its own
     (512, 2, 1, 64, 64, (64, 64), "off_by_one", None, False, 2),
+    (1000, 16, 1, 128, 128, (128, 0), "vanilla", None, False, "tma_tails"),  # T, S in place
 ])
 def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_buffers):
     from jax.experimental.mosaic.gpu import core as mosaic_core
@@ -173,8 +183,9 @@ def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_b
     v = jax.ShapeDtypeStruct((2, T, K, Dv), jnp.bfloat16)
     sink = jax.ShapeDtypeStruct((N,), jnp.float32) if softmax == "learnable" else None
     spec = sm90.spec_for(q, k, v, scale=0.1, window=win, softmax=softmax, logits_soft_cap=cap)
-    nq, ahead = q_buffers if isinstance(q_buffers, tuple) else (q_buffers, None)
-    bs = WindowBlockSizes(pingpong=pingpong, q_buffers=nq, q_ahead=ahead)
+    tails = q_buffers == "tma_tails"
+    nq, ahead = q_buffers if isinstance(q_buffers, tuple) else (2 if tails else q_buffers, None)
+    bs = WindowBlockSizes(pingpong=pingpong, q_buffers=nq, q_ahead=ahead, tma_tails=tails)
 
     def lower():
         f = jax.jit(lambda q, k, v, s: window.forward_spec(q, k, v, spec, sink=s, block_sizes=bs))
