@@ -393,7 +393,8 @@ def swizzle_for(minor_bytes: int) -> int:
 
 
 # Rows of the tiling `smem_tile` gives every TMA-copied tile; Mosaic GPU (0.11.2) applies it to
-# the whole global array, whose sequence axis must then be a multiple of it (or at most it).
+# the whole global array, whose sequence axis must then be a multiple of it (a shorter axis
+# gets a shorter tile than the shared-memory one, so it is padded too).
 TMA_TILE_ROWS = 8
 
 
@@ -401,7 +402,7 @@ def in_place(length: int, tma_tails: bool) -> bool:
     """Whether a kernel reads (and writes) a sequence of `length` rows in place, TMA filling a
     tail tile's rows past the end with zeros and dropping stores past it (`tma_tails`), rather
     than from a copy padded to the tiles: only where Mosaic GPU's TMA tiling allows it."""
-    return tma_tails and (length % TMA_TILE_ROWS == 0 or length < TMA_TILE_ROWS)
+    return tma_tails and length % TMA_TILE_ROWS == 0
 
 
 def smem_tile(shape, dtype):
