@@ -68,6 +68,9 @@ CASES = [
     # empty tile inside a CTA's loop).
     Case("persistent_empty_tiles_o_in_q", T=256, S=64, N=2, K=2, window=(-1, 0),
          bottom_right=True, blocks=dataclasses.replace(ONE_WG, persistent=True)),
+    # KV splits with Q in place (T = 72 of a 128-row tile), each split's O merged over T rows
+    Case("kv_splits_tma_tails_query_tail", T=72, S=300, N=2, K=1, window=(-1, 0),
+         bottom_right=True, blocks=dataclasses.replace(ONE_WG, num_splits=3, tma_tails=True)),
     # tma_tails: Q, K, V read in place (T, S multiples of 8, not of the tiles): the second query
     # tile's second warpgroup reads rows 192..255 of 200, the last key tile 8 of 64 keys, and
     # TMA fills the rest with zeros and drops O's rows past T; persistent, O in its own buffer
@@ -135,7 +138,7 @@ GPU_CASES = [
          bottom_right=True, blocks=BlockSizes(tma_tails=True)),
     Case("d64_three_wg_tma_tails", T=1000, S=1000, Dqk=64, Dv=64,
          blocks=BlockSizes(block_q=192, num_compute_wgs=3, num_stages=4, tma_tails=True)),
-    Case("kv_splits_tma_tails", T=64, S=1000, N=4, K=1, Dqk=128, Dv=128, softmax="learnable",
+    Case("kv_splits_tma_tails", T=200, S=1000, N=4, K=1, Dqk=128, Dv=128, softmax="learnable",
          blocks=BlockSizes(block_q=64, num_compute_wgs=1, num_splits=3, tma_tails=True)),
     Case("tma_tails_odd_lengths_padded", T=1001, S=999, N=2, K=1, Dqk=128, Dv=128,
          window=(100, 0), blocks=BlockSizes(tma_tails=True, persistent=True)),

@@ -401,7 +401,10 @@ TMA_TILE_ROWS = 8
 def in_place(length: int, tma_tails: bool) -> bool:
     """Whether a kernel reads (and writes) a sequence of `length` rows in place, TMA filling a
     tail tile's rows past the end with zeros and dropping stores past it (`tma_tails`), rather
-    than from a copy padded to the tiles: only where Mosaic GPU's TMA tiling allows it."""
+    than from a copy padded to the tiles: only where Mosaic GPU's TMA tiling allows it. Only
+    for arrays staged in `smem_tile` buffers (tiled TMA clips per dimension): the lse, delta,
+    hash and table rows go through untiled shared memory, whose copies Mosaic clamps only to
+    the end of the whole array (rows past T would land in the next head's), so they stay padded."""
     return tma_tails and length % TMA_TILE_ROWS == 0
 
 

@@ -663,8 +663,8 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
         interpret=(plgpu.InterpretGPUParams(inline_mgpu="_hack_model_inline_mgpu_tokamax")
                    if interpret else None),
     )(*inputs)
-    if splits > 1:
-        out, lse = merge_splits(out, lse, full_spec, sink)
+    if splits > 1:  # lse is padded to the tiles, out may be in place (T rows)
+        out, lse = merge_splits(out, lse[..., :To], full_spec, sink)
     return out[:, :spec.q_len], lse[:, :, :spec.q_len]
 
 
