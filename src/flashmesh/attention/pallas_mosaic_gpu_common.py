@@ -266,7 +266,7 @@ class BlockSizes:
       of an O tile past T (what the zero padding gives), so Q, K and V are not copied into
       padded arrays and O is not sliced out of one. False (the default until run compiled on
       a GPU): the padded copies. The lse, dropout hashes, token tables and bias stay padded
-      (TMA needs their rows' strides in multiples of 16 bytes; they are small but the bias).
+      (`in_place` says why; they are small, but for the bias).
     """
 
     block_q: int = 128

@@ -97,9 +97,9 @@ swizzle their rows allow, `swizzle_for`). Not implemented (NotImplementedError):
 dims, dropout with global key numbers (kv_index). The backward pass is in
 pallas_mosaic_gpu_sm90_bwd. Tails (lengths not multiples of the tiles) are padded copies, or
 with `BlockSizes.tma_tails` (opt-in until run compiled) read in place where the length is a
-multiple of 8 (TMA's zero fill and clipped stores). Not yet done for speed: per-warpgroup ranges, named barriers for the K/V
-"consumed" handshakes, the lazy (thresholded) O rescale, a dynamic (LPT) persistent scheduler
-for causal calls.
+multiple of 8 (TMA's zero fill and clipped stores). Not yet done for speed: per-warpgroup
+ranges, named barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale, a
+dynamic (LPT) persistent scheduler for causal calls.
 
 Argument checks, the spec of a band-mask call and the dropout row hashes are in
 pallas_mosaic_gpu_inputs; the K/V ring, band mask, dropout round and the P·V forms shared with
@@ -201,7 +201,8 @@ def _pair_in_turn(acc, s_zero, q_tile, k_t, p_prev, v_tile, p_smem, outs, after_
 def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref, lse_ref, smem,
             barriers, *, spec: AttentionSpec, bs: BlockSizes, interpret: bool):
     # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv] (GMEM, padded to the
-    # block multiples Tp, Sp, or T and S in place: `in_place`); sink_ref [N, rows] f32 (the sink logit times log2 e) or None;
+    # block multiples Tp, Sp, or T and S in place: `in_place`); sink_ref [N, rows] f32 (the
+    # sink logit times log2 e) or None;
     # hash_ref [B, N, Tp] uint32 (dropout_row_hash) or None; bias_ref [B|1, N|1, Tp, Sp] in
     # the input dtype or None; tok_refs None or (ranges
     # [B, Tp / block_q, 4], q tables ([B, Tp] ids, positions under a window), kv tables [B, Sp])

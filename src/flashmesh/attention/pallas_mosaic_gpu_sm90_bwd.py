@@ -96,9 +96,10 @@ awaited once per step; the dQ kernel computes P while dP runs. The arithmetic is
 Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte rows), above
 256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's
 GEMMs with the next step's, ping-pong between warpgroups, a persistent LPT grid (tails: padded
-copies, or in place with `tma_tails`, opt-in until run compiled); at d128 the fused kernel was slower than the two (3.28 against 2.95
-ms causal 8k, 4.81 against 3.02 full 4k on the H200, `benchmarks/probe_mosaic.py --bwd-grid`,
-before its partial-dQ buffer was swizzled and the automatic barriers went).
+copies, or in place with `tma_tails`, opt-in until run compiled); at d128 the fused kernel was
+slower than the two (3.28 against 2.95 ms causal 8k, 4.81 against 3.02 full 4k on the H200,
+`benchmarks/probe_mosaic.py --bwd-grid`, before its partial-dQ buffer was swizzled and the
+automatic barriers went).
 
 Example (sm90 = flashmesh.attention.pallas_mosaic_gpu_sm90, q/k/v/do as sm90.forward's):
     >>> spec = sm90.spec_for(q, k, v, scale=0.125, window=(-1, 0))
@@ -140,7 +141,8 @@ from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_ref, tok_refs, dq_ref,
                dbias_ref, delta_out_ref, smem, barriers, *, spec: AttentionSpec,
                bs: BackwardBlockSizes, interpret: bool):
-    # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk] (T, S in place),
+    # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk] (T, S in
+    # place),
     # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # q_smem [W, rows, Dqk] (then dQ's epilogue, unless dq_smem), do_smem [W, rows, Dv], lse_smem,
