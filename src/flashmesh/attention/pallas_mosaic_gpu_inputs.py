@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
+from flashmesh.attention.pallas_mosaic_gpu_common import in_place
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 DROPOUT_BATCH_MULT, DROPOUT_KEY_MULT = masks.DROPOUT_BATCH_MULT, masks.DROPOUT_KEY_MULT
@@ -118,6 +119,12 @@ def check_tables(spec: AttentionSpec, tables) -> None:
 def pad_to(x, axis: int, multiple: int):
     extra = -x.shape[axis] % multiple
     return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
+
+
+def pad_tail(x, multiple: int, tma_tails: bool):
+    """x [B, L, ...] zero-padded along L to a multiple of `multiple`, unless the kernels read it
+    in place (`in_place`: tma_tails and L a multiple of 8)."""
+    return x if in_place(x.shape[1], tma_tails) else pad_to(x, 1, multiple)
 
 
 def inputs_dropout_hash(inputs: AttentionInputs, spec: AttentionSpec):

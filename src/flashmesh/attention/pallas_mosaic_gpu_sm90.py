@@ -137,12 +137,12 @@ from jaxtyping import Array, Float
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_BYTES, WARPGROUP,
-                                                            BlockSizes, check_spec, in_place,
+                                                            BlockSizes, check_spec,
                                                             smem_tile, split_part)
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, dropout_row_hash,
                                                             inputs_dropout_hash,
-                                                            pad_to, spec_for)
+                                                            pad_tail, pad_to, spec_for)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, dropout_keep,
                                                                 first_free_barrier, for_each_tile,
                                                                 named_barrier,
@@ -584,10 +584,8 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
     # and drops O's rows past T, so only the small arrays (and the bias) are padded.
     Tp = -(-spec.q_len // bs.block_q) * bs.block_q
     Sp = -(-spec.kv_len // bs.block_kv) * bs.block_kv
-    if not in_place(spec.q_len, bs.tma_tails):
-        q = pad_to(q, 1, bs.block_q)
-    if not in_place(spec.kv_len, bs.tma_tails):
-        k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
+    q = pad_tail(q, bs.block_q, bs.tma_tails)
+    k, v = pad_tail(k, bs.block_kv, bs.tma_tails), pad_tail(v, bs.block_kv, bs.tma_tails)
     if bias is not None:  # padded rows and columns are dropped or masked: zeros
         bias = pad_to(pad_to(bias.astype(q.dtype), 2, bs.block_q), 3, bs.block_kv)
     W = bs.num_compute_wgs

@@ -121,10 +121,10 @@ from jax import lax
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (band_kv_range, check_spec, clamp_within,
-                                                            in_place, smem_tile)
+                                                            smem_tile)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_dkv import kernel_dkv, step_copies
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
-                                                            check_tables, pad_to)
+                                                            check_tables, pad_tail, pad_to)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_overlapped,
                                                                     walk_ranges, wgmma_iota, zero_acc)
@@ -586,10 +586,8 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     # In place (tma_tails) TMA reads those zeros past the ends of q, dO, O, k, v and drops the
     # rows of dQ, dK, dV past them; lse, delta, the hashes, tables and bias are padded still.
     q_mult, kv_mult = tile_multiples(bs)
-    q_pad = (lambda x: x) if in_place(spec.q_len, bs.tma_tails) else (lambda x: pad_to(x, 1, q_mult))
-    kv_pad = (lambda x: x) if in_place(spec.kv_len, bs.tma_tails) else (lambda x: pad_to(x, 1, kv_mult))
-    qp, dop = q_pad(q), q_pad(do.astype(q.dtype))
-    kp, vp = kv_pad(k), kv_pad(v)
+    qp, dop = pad_tail(q, q_mult, bs.tma_tails), pad_tail(do.astype(q.dtype), q_mult, bs.tma_tails)
+    kp, vp = pad_tail(k, kv_mult, bs.tma_tails), pad_tail(v, kv_mult, bs.tma_tails)
     lse2 = pad_to(lse * jnp.float32(LOG2E), 2, q_mult)
     delta = None if delta is None else pad_to(delta, 2, q_mult)
     if dropout_hash is not None:  # padded rows have dO = 0: their hash does not matter
@@ -599,7 +597,7 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
         bias_p = pad_to(pad_to(bias.astype(q.dtype), 2, q_mult), 3, kv_mult)
         bias_t = bias_p.swapaxes(2, 3)
     if in_dq:  # the dQ kernel first: it writes the delta the dK/dV kernel reads
-        outp = q_pad(out.astype(q.dtype))
+        outp = pad_tail(out.astype(q.dtype), q_mult, bs.tma_tails)
         dq, dbias, delta = _dq(qp, kp, vp, dop, lse2, None, dropout_hash, bias_p, tables, spec, bs,
                                interpret, out=outp)
     dk, dv, dq_fused = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs,

@@ -54,9 +54,9 @@ from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_sm90_parts as parts
 from flashmesh.attention.pallas_mosaic_gpu_common import (WARPGROUP, WINDOW_ROWS, WindowBlockSizes,
-                                                            band_kv_range, check_spec, in_place, smem_tile,
+                                                            band_kv_range, check_spec, smem_tile,
                                                             window_reason)
-from flashmesh.attention.pallas_mosaic_gpu_inputs import check_sink, pad_to
+from flashmesh.attention.pallas_mosaic_gpu_inputs import check_sink, pad_tail
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionSpec
 
 ROWS = WINDOW_ROWS
@@ -213,10 +213,8 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
     nb, W, dtype = bs.band_tiles(spec), bs.num_compute_wgs, jnp.dtype(spec.dtype)
     # Tails: zero-padded copies, or in place (tma_tails: TMA reads zeros past the ends and
     # drops O's rows past T)
-    if not in_place(spec.q_len, bs.tma_tails):
-        q = pad_to(q, 1, ROWS)
-    if not in_place(spec.kv_len, bs.tma_tails):
-        k, v = pad_to(k, 1, bs.block_kv), pad_to(v, 1, bs.block_kv)
+    q = pad_tail(q, ROWS, bs.tma_tails)
+    k, v = pad_tail(k, bs.block_kv, bs.tma_tails), pad_tail(v, bs.block_kv, bs.tma_tails)
     band, Tp, nq = nb * bs.block_kv, -(-spec.q_len // ROWS) * ROWS, bs.q_buffers
     scratch = [smem_tile((band, spec.qk_dim), dtype), smem_tile((band, spec.v_dim), dtype),
                smem_tile((W, nq, ROWS, spec.qk_dim), dtype),
