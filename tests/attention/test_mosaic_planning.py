@@ -314,7 +314,7 @@ def test_shared_memory_count():
 
 ANCHORS = {  # name: (spec, expected (block_q, block_kv, num_stages, num_compute_wgs))
     "seed000_gqa_swa": (make_spec(4096, 4096, (128, 0), B=2, N=128, K=8, Dqk=128),
-                        mg.WindowBlockSizes(block_kv=64, num_compute_wgs=2)),
+                        mg.WindowBlockSizes(block_kv=64, num_compute_wgs=2, q_buffers=4, q_ahead=2)),
     "seed000_mla": (make_spec(4096, 4096, (-1, 0), B=2, N=128, K=8, Dqk=128, Dv=64), (128, 128, 2, 2)),
     "full_4k_h16_d128": (make_spec(4096, 4096, B=4, N=16, K=16, Dqk=128), (128, 128, 2, 2)),
     "causal_8k_h32_d128": (make_spec(8192, 8192, (-1, 0), N=32, K=32, Dqk=128), (128, 128, 2, 2)),

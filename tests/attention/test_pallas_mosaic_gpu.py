@@ -289,7 +289,7 @@ def test_gpu_path_lowers_on_cpu(T, Dqk, Dv, window, softmax, cap, blocks):
                                             (100, 136, (128, 136, 136, 128))])
 def test_tma_tails_reads_lengths_in_place(T, S, in_place):
     """With tma_tails, q (k and v) of a length that is a multiple of 8 reach the kernel
-    unpadded and O leaves it unsliced; other lengths are still padded copies. Without it,
+    unpadded and O leaves it unsliced (the default); other lengths are still padded copies. Without it,
     every tail is."""
     q = jax.ShapeDtypeStruct((1, T, 2, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, S, 2, 64), jnp.bfloat16)
@@ -298,7 +298,7 @@ def test_tma_tails_reads_lengths_in_place(T, S, in_place):
         return kernel_lengths(lambda q, k, v: sm90.forward(q, k, v, scale=0.1, block_sizes=blocks),
                               q, kv, kv)
 
-    blocks = BlockSizes(block_q=128, block_kv=64)
+    blocks = BlockSizes(block_q=128, block_kv=64, tma_tails=False)
     assert lengths(dataclasses.replace(blocks, tma_tails=True)) == in_place
     Tp, Sp = -(-T // 128) * 128, -(-S // 64) * 64
     assert lengths(blocks) == (Tp, Sp, Sp, Tp)

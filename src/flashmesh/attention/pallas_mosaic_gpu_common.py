@@ -264,9 +264,10 @@ class BlockSizes:
       (`in_place`: lengths that are multiples of 8, which Mosaic GPU's TMA tiling needs):
       TMA fills the rows of a tile past the end of Q, K or V with zeros and drops the rows
       of an O tile past T (what the zero padding gives), so Q, K and V are not copied into
-      padded arrays and O is not sliced out of one. False (the default until run compiled on
-      a GPU): the padded copies. The lse, dropout hashes, token tables and bias stay padded
-      (`in_place` says why; they are small, but for the bias).
+      padded arrays and O is not sliced out of one. On by default since its GPU cases passed
+      on the H200 (2026-12-06, benchmarks/results/2026-12-06-nvidia-h200-probes); False: the
+      padded copies. The lse, dropout hashes, token tables and bias stay padded (`in_place`
+      says why; they are small, but for the bias).
     """
 
     block_q: int = 128
@@ -281,7 +282,7 @@ class BlockSizes:
     lpt_order: bool = True
     num_splits: int = 1
     persistent: bool = False
-    tma_tails: bool = False
+    tma_tails: bool = True
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -438,14 +439,14 @@ class WindowBlockSizes:
     head's O has just left waits for that O's store to read it; q_ahead = q_buffers - 2 loads
     into the slot of the head before it, whose store has had a head's time to finish.
     tma_tails: as `BlockSizes.tma_tails` (Q, K, V read and O written in place where the length
-    is a multiple of 8; off until run compiled on a GPU)."""
+    is a multiple of 8; on by default)."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
     pingpong: bool = False
     q_buffers: int = 2
     q_ahead: int | None = None
-    tma_tails: bool = False
+    tma_tails: bool = True
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):

@@ -96,7 +96,7 @@ awaited once per step; the dQ kernel computes P while dP runs. The arithmetic is
 Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte rows), above
 256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's
 GEMMs with the next step's, ping-pong between warpgroups, a persistent LPT grid (tails: padded
-copies, or in place with `tma_tails`, opt-in until run compiled); at d128 the fused kernel was
+copies where the length is not a multiple of 8, else in place: `tma_tails`); at d128 the fused kernel was
 slower than the two (3.28 against 2.95 ms causal 8k, 4.81 against 3.02 full 4k on the H200,
 `benchmarks/probe_mosaic.py --bwd-grid`, before its partial-dQ buffer was swizzled and the
 automatic barriers went).

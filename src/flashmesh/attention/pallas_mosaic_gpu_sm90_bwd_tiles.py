@@ -101,12 +101,13 @@ class BackwardBlockSizes:
       rows (one more [block_q_dq, Dv] tile of shared memory), writing it for the dK/dV kernel,
       instead of an XLA reduction over O and dO before both kernels (0.128 ms of the window
       anchor's 0.893 ms backward on the H200, 2026-12-05: a pass over 537 MB). Not with fused_dq
-      (no dQ kernel); a call with an lse cotangent takes XLA's delta. Off by default until timed
-      on a GPU (written 2026-12-05 without one).
+      (no dQ kernel); a call with an lse cotangent takes XLA's delta. Off by default; the tuned
+      table turns it on for the window anchor, where `flashmesh tune --backward` measured the
+      backward at 0.8395 ms against 0.9342 without it (2026-12-06-nvidia-h200-tune-bwd).
     tma_tails: as `BlockSizes.tma_tails`: Q, dO, O, K and V of a length that is a multiple of 8
       but not of the tiles are read in place (TMA fills the rows past the end with zeros) and
       dQ, dK, dV written in place (TMA drops the rows past it), instead of padded copies in
-      and sliced copies out. Off until run compiled on a GPU (written 2026-12-06 without one).
+      and sliced copies out. On by default (its GPU cases passed on the H200 on 2026-12-06).
     """
 
     block_q: int = 64
@@ -125,7 +126,7 @@ class BackwardBlockSizes:
     wg_ranges: bool = False
     persistent_dq: bool = False
     delta_in_dq: bool = False
-    tma_tails: bool = False
+    tma_tails: bool = True
 
     def __post_init__(self):
         def check(name, ok, expected):
