@@ -189,10 +189,14 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         def pipelined(carry, q_tile_s, do_tile, probabilities, score_grads, step, q_tile, head):
             """One step on a GPU with its GEMMs overlapping its arithmetic (FA3's order): Sᵀ
             and dPᵀ issued together, Pᵀ computed once Sᵀ is in (`wait_n=1`) while dPᵀ runs;
-            dV += Pᵀ dO issued before dSᵀ is computed, so it runs under that arithmetic; then
-            (fused) dSᵀ to SMEM and dQ's GEMM issued before dK += dSᵀ Q, so that the partial dQ
-            leaves (`_dq_store`, its SMEM store and TMA reduce-add) while dK's GEMM runs
-            (FA3's mainloop); all awaited once per step. Returns the carry (dK, dV)."""
+            dSᵀ computed (and, fused, stored to SMEM) before dV += Pᵀ dO is issued, so that
+            the float32 Pᵀ and dPᵀ are dead by then and only the 16-bit Pᵀ and dSᵀ (the
+            register operands of dV's and dK's GEMMs, live until those complete) stay beside
+            dK and dV (issuing dV first held the 16-bit Pᵀ through dSᵀ's arithmetic: a peak of
+            one more 64 x 64 operand, 16 registers a thread, where the kernel spills); then
+            (fused) dQ's GEMM issued before dK += dSᵀ Q, so that the partial dQ leaves
+            (`_dq_store`, its SMEM store and TMA reduce-add) while dK's GEMM runs (FA3's
+            mainloop); all awaited once per step. Returns the carry (dK, dV)."""
             fused = dq_ref is not None
 
             def body(refs):
@@ -202,12 +206,14 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
                     do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
                     bs.overlap)
-                plgpu.wgmma(dv_ref, pt_v.astype(dtype), do_tile)
+                pv = pt_v.astype(dtype)  # FA3's rP: the float32 Pᵀ dies with dSᵀ below
                 dst = score_grads(pt, dpt, dcap)
+                if fused:
+                    _ds_to_smem(dst, step)  # dQ's GEMM reads dSᵀ there
+                plgpu.wgmma(dv_ref, pv, do_tile)
                 if not fused:
                     plgpu.wgmma(dk_ref, dst, q_tile_s)
                     return
-                _ds_to_smem(dst, step)  # dQ's GEMM reads dSᵀ there
 
                 def dq_then_dk(acc):  # the dQ accumulator lives only in this scope
                     _dq_gemm(acc, None, step)
