@@ -178,8 +178,10 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             carry = accumulate(carry, tuple(lhs), tuple(rhs), used)
             plgpu.barrier_arrive(consumed.at[slot])
             if dq_ref is not None:
+                _ds_exchange(lhs[0], step)  # before the dQ accumulator's (zeroed) scope opens
+
                 def mma(acc):
-                    _dq_gemm(acc, lhs[0], step)
+                    _dq_gemm(acc, step)
                     return acc[...]
 
                 part_dq = pl.run_scoped(mma, plgpu.ACC((bq, dq_width), jnp.float32))
@@ -214,9 +216,10 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 if not fused:
                     plgpu.wgmma(dk_ref, dst, q_tile_s)
                     return
+                _ds_wait(step)  # while dV runs, and before the dQ accumulator is zeroed
 
                 def dq_then_dk(acc):  # the dQ accumulator lives only in this scope
-                    _dq_gemm(acc, None, step)
+                    _dq_gemm(acc, step)
                     plgpu.wgmma(dk_ref, dst, q_tile_s)
                     # WGMMA groups complete in order: dV's and dQ's are in, dK's still runs
                     _dq_store(plgpu.wgmma_accumulator_load(acc, wait_n=1), q_tile, head)
@@ -237,16 +240,24 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 ds_smem.at[wg][...] = ds16
                 plgpu.commit_smem()
 
-        def _dq_gemm(acc, ds16, step):
-            """acc += dS K (FA3's fifth GEMM, dSᵀ from SMEM as the transposed A; ds16, when
-            given, is stored there first): over this warpgroup's keys and every column, or
-            (dq_columns) over both warpgroups' keys and this warpgroup's share of the columns,
-            once the other's dSᵀ is in."""
-            if ds16 is not None:
-                _ds_to_smem(ds16, step)
+        def _ds_wait(step):
+            """dq_columns: wait until both warpgroups' dSᵀ of this step are in SMEM."""
+            if bs.dq_columns:
+                plgpu.barrier_wait(ds_ready.at[lax.rem(step, 2)])
+
+        def _ds_exchange(ds16, step):
+            """dSᵀ to SMEM, then (dq_columns) the other warpgroup's awaited: done before the
+            dQ accumulator's scope opens, so its 32 zeroed registers a thread are not live
+            through the wait (ptxas injected warpgroup.arrive in the fused kernels)."""
+            _ds_to_smem(ds16, step)
+            _ds_wait(step)
+
+        def _dq_gemm(acc, step):
+            """acc += dS K (FA3's fifth GEMM, dSᵀ from SMEM as the transposed A, put there and
+            awaited by `_ds_exchange`): over this warpgroup's keys and every column, or
+            (dq_columns) over both warpgroups' keys and this warpgroup's share of the columns."""
             if bs.dq_columns:
                 parity = lax.rem(step, 2)
-                plgpu.barrier_wait(ds_ready.at[parity])
                 cols = pl.ds(wg * dq_width, dq_width)
                 pairs = [(ds_smem.at[parity, w], k_smem.at[w, :, cols]) for w in range(W)]
             else:
