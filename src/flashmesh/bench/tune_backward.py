@@ -67,8 +67,8 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
 
 def _with_twins(bs: bwd.BackwardBlockSizes, spec, fields) -> list[bwd.BackwardBlockSizes]:
     """bs, then its twins with the other value of each boolean field in turn, where they fit
-    the call (today's config: `overlap`, measured slower on the H200 so far, `delta_in_dq`,
-    `persistent_dq`, for many short dQ tiles, and under a bounded window `wg_ranges`, a quarter
+    the call (today's config: `overlap`, slower with two kernels on the H200, faster fused by
+    columns, `delta_in_dq`, `persistent_dq`, for many short dQ tiles, and under a bounded window `wg_ranges`, a quarter
     of the steps at window 128 but at most one step per head under a plain causal mask; the
     grid's configs: `delta_in_dq`)."""
     found = [bs]
