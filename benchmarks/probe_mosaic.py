@@ -104,6 +104,7 @@ SHAPES = [  # name, B, T, N, K, D, window
     ("seed000_gqa_swa", 2, 4096, 128, 8, 128, (128, 0)),
     ("causal_8k_h32_d64", 1, 8192, 32, 32, 64, (-1, 0)),
     ("layer_causal_2k_b4_h32_d128", 4, 2048, 32, 32, 128, (-1, 0)),  # the guide's layer (issue 9)
+    ("gqa_causal_16k", 1, 16384, 64, 8, 128, (-1, 0)),
 ]
 # BlockSizes fields per config; dict() is the default (ping-pong + intra-warpgroup overlap,
 # O staged in Q's buffer, LPT order, 128 / 128 / 2 stages / 2 compute warpgroups).
