@@ -289,8 +289,8 @@ def test_gpu_path_lowers_on_cpu(T, Dqk, Dv, window, softmax, cap, blocks):
                                             (100, 136, (128, 136, 136, 128))])
 def test_tma_tails_reads_lengths_in_place(T, S, in_place):
     """With tma_tails, q (k and v) of a length that is a multiple of 8 reach the kernel
-    unpadded and O leaves it unsliced (the default); other lengths are still padded copies. Without it,
-    every tail is."""
+    unpadded and O leaves it unsliced (the default); other lengths are still padded copies.
+    Without it, every tail is."""
     q = jax.ShapeDtypeStruct((1, T, 2, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, S, 2, 64), jnp.bfloat16)
 

@@ -95,9 +95,9 @@ cap, the off-by-one and learnable sink softmax, dropout, packed segments and exp
 positions, a post-scale bias; head dims that are multiples of 16 up to 256 (the widest
 swizzle their rows allow, `swizzle_for`). Not implemented (NotImplementedError): other head
 dims, dropout with global key numbers (kv_index). The backward pass is in
-pallas_mosaic_gpu_sm90_bwd. Tails (lengths not multiples of the tiles) are padded copies, but
-(with `BlockSizes.tma_tails`, the default) read in place where the length is a
-multiple of 8 (TMA's zero fill and clipped stores). Not yet done for speed: per-warpgroup
+pallas_mosaic_gpu_sm90_bwd. Tails (lengths not multiples of the tiles) are read in place where
+the length is a multiple of 8 (`BlockSizes.tma_tails`, the default: TMA's zero fill and
+clipped stores), else padded copies. Not yet done for speed: per-warpgroup
 ranges, named barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale, a
 dynamic (LPT) persistent scheduler for causal calls.
 

@@ -98,8 +98,8 @@ entry for lengths 4097-8192); with two kernels it stays slower (3.143).
 Not implemented (NotImplementedError): head dims not multiples of 16 (32-byte rows), above
 256, dropout with global key numbers (kv_index). Not yet done for speed: overlap of a step's
 GEMMs with the next step's, ping-pong between warpgroups, a persistent LPT grid (tails: padded
-copies where the length is not a multiple of 8, else in place: `tma_tails`); at d128 the fused kernel was
-slower than the two (3.28 against 2.95 ms causal 8k, 4.81 against 3.02 full 4k on the H200,
+copies where the length is not a multiple of 8, else in place: `tma_tails`); at d128 the
+fused kernel was slower than the two (3.28 against 2.95 ms causal 8k, 4.81 against 3.02 full 4k on the H200,
 `benchmarks/probe_mosaic.py --bwd-grid`, before its partial-dQ buffer was swizzled and the
 automatic barriers went).
 

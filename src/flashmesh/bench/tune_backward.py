@@ -68,9 +68,9 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
 def _with_twins(bs: bwd.BackwardBlockSizes, spec, fields) -> list[bwd.BackwardBlockSizes]:
     """bs, then its twins with the other value of each boolean field in turn, where they fit
     the call (today's config: `overlap`, slower with two kernels on the H200, faster fused by
-    columns, `delta_in_dq`, `persistent_dq`, for many short dQ tiles, and under a bounded window `wg_ranges`, a quarter
-    of the steps at window 128 but at most one step per head under a plain causal mask; the
-    grid's configs: `delta_in_dq`)."""
+    columns, `delta_in_dq`, `persistent_dq`, for many short dQ tiles, and under a bounded
+    window `wg_ranges`, a quarter of the steps at window 128 but at most one step per head
+    under a plain causal mask; the grid's configs: `delta_in_dq`)."""
     found = [bs]
     for field in fields:
         for c in list(found):
