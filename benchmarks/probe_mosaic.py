@@ -14,7 +14,8 @@ the default's gradients, and cuDNN's fwd+bwd minus its fwd for scale; `--bwd-gri
 over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (each config with
 BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-ranges`:
 BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
-BWD_DELTA (delta_in_dq) the same way; `--window`: the window kernel's WINDOW_CONFIGS
+BWD_DELTA (delta_in_dq) the same way; `--bwd-fold`: BWD_FOLD (overlap, fold_stats, the fused form
+by columns) the same way; `--window`: the window kernel's WINDOW_CONFIGS
 (ping-pong off and on, block_kv, the Q ring) the same way, on the window shapes named. Each alternated mode also lists each config's kernels.
 `--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
 name meaning True), on top of today's config, so that a profiler's launch count finds it (the
@@ -144,7 +145,14 @@ BWD_WG_RANGES = [dict(), dict(wg_ranges=True), dict(wg_ranges=True, overlap=True
                  dict(persistent_dq=True), dict(wg_ranges=True, persistent_dq=True)]
 # `--bwd-delta`: today's config with and without delta computed by the dQ kernel
 BWD_DELTA = [dict(), dict(delta_in_dq=True)]
-ALTERNATED = {"--bwd-overlap": BWD_OVERLAP, "--bwd-wg-ranges": BWD_WG_RANGES, "--bwd-delta": BWD_DELTA}
+# `--bwd-fold`: today's config, with overlap, and with lse and delta folded into the
+# accumulators' initial values (fold_stats); the fused form by columns with overlap, without
+# and with fold_stats (configs equal to an earlier one are timed once)
+FUSED_OVERLAP = dict(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)
+BWD_FOLD = [dict(), dict(overlap=True), dict(overlap=True, fold_stats=True), FUSED_OVERLAP,
+            dict(FUSED_OVERLAP, fold_stats=True)]
+ALTERNATED = {"--bwd-overlap": BWD_OVERLAP, "--bwd-wg-ranges": BWD_WG_RANGES, "--bwd-delta": BWD_DELTA,
+              "--bwd-fold": BWD_FOLD}
 
 
 def named_config(arg: str) -> dict:
@@ -205,13 +213,18 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
     modes += [[cfg] for cfg in NAMED]
     first, alternated = None, bool(modes)
     configs = bwd_grid(spec) if "--bwd-grid" in sys.argv else modes[0] if modes else BWD_CONFIGS
-    timed = {}
+    timed, seen = {}, set()
     for cfg in configs:
         try:
             bs = bwd.default_for(spec)
             if cfg:  # on top of today's config with --bwd-overlap, else on the defaults
                 bs = (dataclasses.replace(bs, **cfg) if alternated
                       else bwd.BackwardBlockSizes(**cfg)).validate_for(spec)
+            if bs in seen:
+                print(f"  bwd mosaic {cfg}: today's config or an earlier one's, not timed again",
+                      flush=True)
+                continue
+            seen.add(bs)
             f = jax.jit(lambda q, k, v, out, lse, do, bs=bs: bwd.backward_spec(
                 q, k, v, out, lse, do, spec, block_sizes=bs)[:3])
             grads = jax.block_until_ready(f(q, k, v, out, lse, do))

@@ -111,6 +111,14 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     Case("tma_tails_fused_columns_d128_learnable", T=200, S=136, N=2, K=1, Dqk=128, Dv=64,
          softmax="learnable", blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
                                          tma_tails=True)),
+    # fold_stats: Sᵀ's and dPᵀ's accumulators start from -lse / c and -delta; bottom-right
+    # causal with T > S (rows that see no key: EMPTY_ROW_LSE folded in, masked away), tails,
+    # the fused form by columns; then the two-kernel form under a two-sided window with a sink
+    Case("fold_stats_fused_columns_d128_empty_rows_tails", T=200, S=136, N=2, K=1, Dqk=128,
+         Dv=64, window=(-1, 0), bottom_right=True,
+         blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, fold_stats=True)),
+    Case("fold_stats_window_gqa_learnable", T=256, S=200, N=2, K=1, window=(40, 10),
+         softmax="learnable", blocks=BBS(num_stages=2, fold_stats=True)),
     # d256: delta summed over O's and dO's two 128-column slices
     Case("delta_in_dq_d256_column_slices", T=128, S=128, N=1, K=1, Dqk=256, Dv=256, window=(-1, 0),
          blocks=dataclasses.replace(ONE_WG, num_stages=1, split_dkv=True, delta_in_dq=True)),
@@ -221,6 +229,19 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
          window=(-1, 0), bottom_right=True, blocks=BBS(num_stages=2, tma_tails=True)),
     Case("gpu_tma_tails_fused_columns_d128_full", T=712, S=904, N=4, K=4, Dqk=128, Dv=128,
          blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, tma_tails=True)),
+    # fold_stats (written 2026-12-07 without a GPU): the table's causal d128 fused form, the
+    # two-kernel form with overlap, tails with rows that see no key, MLA in f16
+    Case("gpu_fold_stats_overlap_fused_columns_d128_causal", T=1024, S=1024, N=8, K=2, Dqk=128,
+         Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
+                                            overlap=True, fold_stats=True)),
+    Case("gpu_fold_stats_overlap_d128_causal_gqa_tails_br", T=1000, S=904, N=8, K=2, Dqk=128,
+         Dv=128, window=(-1, 0), bottom_right=True, softmax="learnable",
+         blocks=BBS(num_stages=2, overlap=True, fold_stats=True)),
+    Case("gpu_fold_stats_empty_rows_one_wg", T=256, S=64, N=1, K=1, window=(-1, 0),
+         bottom_right=True, blocks=dataclasses.replace(ONE_WG, fold_stats=True)),
+    Case("gpu_fold_stats_fused_mla_128_64_f16_window", T=512, S=600, N=4, K=1, Dqk=128, Dv=64,
+         window=(100, 20), dtype="float16",
+         blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, fold_stats=True)),
     Case("gpu_tma_tails_persistent_delta_window_odd", T=1001, S=999, N=8, K=1, Dqk=128,
          Dv=128, window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True,
                                              delta_in_dq=True, tma_tails=True)),
@@ -342,6 +363,14 @@ def test_backward_gpu(case):
     Case("tma_tails_delta_in_dq_persistent_d128", T=1000, S=904, N=4, K=1, Dqk=128, Dv=128,
          window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True,
                                      delta_in_dq=True, tma_tails=True)),
+    # fold_stats: the accumulators' initial values (run_state over ACC.init), each form
+    Case("fold_stats_overlap_fused_columns_d128_causal", T=512, S=512, N=4, K=2, Dqk=128,
+         Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
+                                            overlap=True, fold_stats=True)),
+    Case("fold_stats_d64_window_one_wg", T=200, S=300, N=2, K=1, window=(40, 0),
+         blocks=dataclasses.replace(ONE_WG, fold_stats=True)),
+    Case("fold_stats_overlap_d128_cap_unfolded", T=512, S=512, N=4, K=2, Dqk=128, Dv=128,
+         cap=2.0, blocks=BBS(num_stages=2, overlap=True, fold_stats=True)),
     # d256: delta summed over two 128-column slices of O and dO (one warpgroup, one stage)
     Case("delta_in_dq_d256_split_dkv_one_wg", T=256, S=256, N=2, K=1, Dqk=256, Dv=256,
          window=(-1, 0), blocks=dataclasses.replace(ONE_WG, num_stages=1, split_dkv=True,

@@ -15,11 +15,11 @@ from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import clamp_within
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
-                                                                    mma_from_smem, products_overlapped,
-                                                                    ring_drain, walk_ranges, wgmma_iota,
-                                                                    zero_acc)
+                                                                    mma_from_smem, products_from,
+                                                                    products_overlapped, ring_drain,
+                                                                    walk_ranges, wgmma_iota, zero_acc)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes, band_q_range
-from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import band_mask, dropout_keep
+from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import LOG2E, band_mask, dropout_keep
 from flashmesh.attention.spec import AttentionSpec
 
 
@@ -106,6 +106,9 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         dq_width = bs.dq_width(spec)  # the partial dQ's columns
         staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         kv_tail = spec.kv_len % bs.block_kv != 0
+        # fold_stats: Sᵀ's accumulator starts at -lse / c, dPᵀ's at -delta (c = scale log2 e)
+        fold = (bs.fold_stats and part == "both" and not dropout and spec.scale != 0
+                and spec.logits_soft_cap is None)
 
         def q_step(q_tile, carry, *, g, masked: bool):
             # part "both": dK and dV; "dv": Sᵀ and dV only; "dk": Sᵀ, dPᵀ and dK only
@@ -126,8 +129,11 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     key = wgmma_iota((rows, bq), 0) + key0
                     q_pos = wgmma_iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
                     st2 = band_mask(st2, q_pos, key, spec, kv_tail)
-                lse = plgpu.load(lse_smem.at[slot], layout=COL)
-                pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
+                if fold:  # the accumulator started at -lse / c
+                    pt = jnp.exp2(st2)
+                else:
+                    lse = plgpu.load(lse_smem.at[slot], layout=COL)
+                    pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                 if not dropout:  # the P of dV: the kept elements (1 / (1 - r) at the end)
                     return pt, pt, dcap
                 # keys are rows here: the queries' hashes run along the columns
@@ -139,7 +145,24 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 ps = jnp.where(keep, pt, -pt)
                 return ps, jnp.maximum(ps, 0.0), dcap
 
+            def products():  # ((Pᵀ, the Pᵀ of dV, cap slope), dPᵀ (- delta with fold))
+                operands = (k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
+                            do_tile.transpose((1, 0)))
+                if not fold:
+                    return products_overlapped(*operands, (rows, bq), (rows, bq), probabilities,
+                                               bs.overlap)
+                inits = [lax.broadcast_in_dim(plgpu.load(buf.at[slot], layout=COL) * factor,
+                                              (rows, bq), [1])
+                         for buf, factor in ((lse_smem, -1.0 / (spec.scale * LOG2E)),
+                                             (delta_smem, -1.0))]
+                inits = [plgpu.layout_cast(x, plgpu.Layout.WGMMA) for x in inits]
+                pt, dpt = products_from(*operands, *inits, lambda st: probabilities(st)[0],
+                                        bs.overlap, interpret)
+                return (pt, pt, None), dpt
+
             def score_grads(pt, dpt, dcap):  # dSᵀ in the inputs' dtype
+                if fold:  # dPᵀ's accumulator started at -delta
+                    return (pt * dpt).astype(dtype)
                 delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), pt.shape,
                                              [1])
                 if dropout:  # pt is ps: kept P (dPᵀ - delta); dropped P (0 - delta) = ps delta;
@@ -153,8 +176,8 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 return dst.astype(dtype)
 
             if bs.overlap and not interpret and part == "both":
-                carry = pipelined(carry, q_tile_s, do_tile, probabilities, score_grads, step,
-                                  q_tile, kv_head * G + g)
+                carry = pipelined(carry, q_tile_s, do_tile, products, score_grads, step, q_tile,
+                                  kv_head * G + g)
                 plgpu.barrier_arrive(consumed.at[slot])
                 return carry
             if part == "dv":
@@ -165,10 +188,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 (pt, pt_v, dcap), dpt = probabilities(
                     pl.run_scoped(qk, plgpu.ACC((rows, bq), jnp.float32))), None
             else:
-                (pt, pt_v, dcap), dpt = products_overlapped(
-                    k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
-                    do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
-                    bs.overlap)
+                (pt, pt_v, dcap), dpt = products()
             lhs, rhs = [], []
             if part != "dv":
                 lhs, rhs = [score_grads(pt, dpt, dcap)], [q_tile_s]
@@ -188,7 +208,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 _dq_store(part_dq, q_tile, kv_head * G + g)
             return carry
 
-        def pipelined(carry, q_tile_s, do_tile, probabilities, score_grads, step, q_tile, head):
+        def pipelined(carry, q_tile_s, do_tile, products, score_grads, step, q_tile, head):
             """One step on a GPU with its GEMMs overlapping its arithmetic (FA3's order): Sᵀ
             and dPᵀ issued together, Pᵀ computed once Sᵀ is in (`wait_n=1`) while dPᵀ runs;
             dSᵀ computed (and, fused, stored to SMEM) before dV += Pᵀ dO is issued, so that
@@ -204,10 +224,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             def body(refs):
                 dk_ref, dv_ref = refs
 
-                (pt, pt_v, dcap), dpt = products_overlapped(
-                    k_smem.at[wg], q_tile_s.transpose((1, 0)), v_smem.at[wg],
-                    do_tile.transpose((1, 0)), (rows, bq), (rows, bq), probabilities,
-                    bs.overlap)
+                (pt, pt_v, dcap), dpt = products()
                 pv = pt_v.astype(dtype)  # FA3's rP: the float32 Pᵀ dies with dSᵀ below
                 dst = score_grads(pt, dpt, dcap)
                 if fused:

@@ -50,6 +50,27 @@ def products_overlapped(a1, b1, a2, b2, shape1, shape2, on_first, overlap: bool)
     return pl.run_scoped(mma, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
 
 
+def products_from(a1, b1, a2, b2, init1, init2, on_first, overlap: bool, interpret: bool):
+    """`products_overlapped` with accumulators that start from init1, init2 instead of zeros:
+    (on_first(init1 + a1 b1), init2 + a2 b2), on_first returning one float32 array of init1's
+    shape. On a GPU the accumulators begin as the inits in registers (`ACC.init`), and
+    on_first's result goes back into the first one, the only way out of `run_state`; the
+    interpreter, which has no `run_state` over an accumulator, adds the inits to products
+    started from zero."""
+    if interpret:
+        first, second = products_overlapped(a1, b1, a2, b2, init1.shape, init2.shape,
+                                            lambda x: x, False)
+        return on_first(first + init1), second + init2
+
+    def mma(refs):
+        acc1, acc2 = refs
+        plgpu.wgmma(acc1, a1, b1)
+        plgpu.wgmma(acc2, a2, b2)
+        acc1[...] = on_first(plgpu.wgmma_accumulator_load(acc1, wait_n=1 if overlap else 0))
+
+    return pl.run_state(mma)((plgpu.ACC.init(init1), plgpu.ACC.init(init2)))
+
+
 def mma_from_registers(accs, lhs, rhs, staging):
     """acc_i += lhs_i rhs_i with the lhs in registers as WGMMA's A, in place (FA3's RS GEMMs)."""
     del staging

@@ -104,6 +104,15 @@ class BackwardBlockSizes:
       (no dQ kernel); a call with an lse cotangent takes XLA's delta. Off by default; the tuned
       table turns it on for the window anchor, where `flashmesh tune --backward` measured the
       backward at 0.8395 ms against 0.9342 without it (2026-12-06-nvidia-h200-tune-bwd).
+    fold_stats: the dK/dV kernel's Sᵀ and dPᵀ accumulators start from -lse / (scale log2 e)
+      and -delta (broadcast over the keys) instead of zeros, so Pᵀ = exp2(acc scale log2 e)
+      and dSᵀ = Pᵀ acc: the two per-query vectors (16 registers a thread each at block_q 64)
+      are dead once the GEMMs are issued instead of live beside Pᵀ and dPᵀ, where the fused
+      kernels spill, and one subtraction per element goes. Applies to calls without a soft cap
+      (its slope needs the raw logits) or dropout (its dropped elements need delta), and not
+      to split_dkv's passes; the others run the usual form. Results differ from the default
+      by float32 rounding (the lse enters the accumulator before the products). Off by
+      default until a GPU has timed it.
     tma_tails: as `BlockSizes.tma_tails`: Q, dO, O, K and V of a length that is a multiple of 8
       but not of the tiles are read in place (TMA fills the rows past the end with zeros) and
       dQ, dK, dV written in place (TMA drops the rows past it), instead of padded copies in
@@ -126,6 +135,7 @@ class BackwardBlockSizes:
     wg_ranges: bool = False
     persistent_dq: bool = False
     delta_in_dq: bool = False
+    fold_stats: bool = False
     tma_tails: bool = True
 
     def __post_init__(self):
@@ -143,7 +153,7 @@ class BackwardBlockSizes:
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
         for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap", "wg_ranges",
-                     "persistent_dq", "delta_in_dq", "tma_tails"):
+                     "persistent_dq", "delta_in_dq", "fold_stats", "tma_tails"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:
