@@ -117,6 +117,14 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     Case("fold_stats_fused_columns_d128_empty_rows_tails", T=200, S=136, N=2, K=1, Dqk=128,
          Dv=64, window=(-1, 0), bottom_right=True,
          blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, fold_stats=True)),
+    # dq_writer: the memory warpgroup's second warp issues the partial dQ's reduce-adds
+    # (races on: the dq_full / dq_empty hand-off); by columns with both new options and tails,
+    # then one warpgroup in the staggered order
+    Case("dq_writer_fold_columns_d128_causal_gqa_tails", T=200, S=136, N=2, K=1, Dqk=128, Dv=64,
+         window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, dq_writer=True,
+                                    fold_stats=True), races=True),
+    Case("dq_writer_one_wg_stagger_full", T=256, S=200, N=2, K=1, window=(-1, -1),
+         blocks=dataclasses.replace(ONE_WG, fused_dq=True, stagger_q=True, dq_writer=True)),
     Case("fold_stats_window_gqa_learnable", T=256, S=200, N=2, K=1, window=(40, 10),
          softmax="learnable", blocks=BBS(num_stages=2, fold_stats=True)),
     # d256: delta summed over O's and dO's two 128-column slices
@@ -237,6 +245,13 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
     Case("gpu_fold_stats_overlap_d128_causal_gqa_tails_br", T=1000, S=904, N=8, K=2, Dqk=128,
          Dv=128, window=(-1, 0), bottom_right=True, softmax="learnable",
          blocks=BBS(num_stages=2, overlap=True, fold_stats=True)),
+    Case("gpu_dq_writer_fold_overlap_columns_d128_causal_gqa", T=1024, S=1024, N=8, K=2,
+         Dqk=128, Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
+                                                     overlap=True, dq_writer=True, fold_stats=True)),
+    Case("gpu_dq_writer_columns_d128_full_tails", T=700, S=904, N=4, K=4, Dqk=128, Dv=128,
+         blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, dq_writer=True)),
+    Case("gpu_dq_writer_d64_window_tails_br", T=1000, S=1100, N=4, K=4, window=(256, 0),
+         bottom_right=True, blocks=BBS(num_stages=2, fused_dq=True, overlap=True, dq_writer=True)),
     Case("gpu_fold_stats_empty_rows_one_wg", T=256, S=64, N=1, K=1, window=(-1, 0),
          bottom_right=True, blocks=dataclasses.replace(ONE_WG, fold_stats=True)),
     Case("gpu_fold_stats_fused_mla_128_64_f16_window", T=512, S=600, N=4, K=1, Dqk=128, Dv=64,
@@ -367,6 +382,9 @@ def test_backward_gpu(case):
     Case("fold_stats_overlap_fused_columns_d128_causal", T=512, S=512, N=4, K=2, Dqk=128,
          Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
                                             overlap=True, fold_stats=True)),
+    Case("dq_writer_fold_overlap_columns_d128_causal", T=512, S=512, N=4, K=2, Dqk=128,
+         Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
+                                            overlap=True, dq_writer=True, fold_stats=True)),
     Case("fold_stats_d64_window_one_wg", T=200, S=300, N=2, K=1, window=(40, 0),
          blocks=dataclasses.replace(ONE_WG, fold_stats=True)),
     Case("fold_stats_overlap_d128_cap_unfolded", T=512, S=512, N=4, K=2, Dqk=128, Dv=128,
@@ -538,6 +556,10 @@ def test_block_sizes_and_refusals():
         BBS(overlap=True, split_dkv=True)
     with pytest.raises(ValueError, match="stagger_q=True needs fused_dq=True"):
         BBS(stagger_q=True)
+    with pytest.raises(ValueError, match="dq_writer=True needs fused_dq=True"):
+        BBS(dq_writer=True)
+    with pytest.raises(ValueError, match="dq_writer=True needs wg_ranges=False"):
+        BBS(fused_dq=True, dq_writer=True, wg_ranges=True)
     with pytest.raises(ValueError, match="fused_dq=True needs split_dkv=False"):
         BBS(fused_dq=True, split_dkv=True)
     with pytest.raises(ValueError, match="fused_dq=True cannot take a bias"):

@@ -457,6 +457,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
                 plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
     barriers += ([plgpu.Barrier(num_arrivals=W, num_barriers=2), plgpu.Barrier(num_arrivals=W)]
                  if bs.dq_columns else [None, None])
+    barriers += [plgpu.Barrier(num_barriers=W) if bs.dq_writer else None] * 2  # dq_full, dq_empty
     barriers += [plgpu.Barrier(num_barriers=W)] * n_tok
     dq_acc = None
     if bs.fused_dq:  # float32, zeroed, updated in place (a jax.Ref the kernel adds into)

@@ -49,16 +49,18 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     # transposed), dq_smem [W, bq, Dqk] float32 (the warpgroup's partial dQ on its way out);
     # bs.dq_columns: ds_smem [2, W, rows, bq] (by step parity), dq_smem [W, bq, Dqk / W], and
     # the barriers ds_ready [2] (both warpgroups' dSᵀ are in SMEM), dq_done (both have left
-    # the loop: K's SMEM, which the other warpgroup's dQ GEMMs read, may take dK); else None.
+    # the loop: K's SMEM, which the other warpgroup's dQ GEMMs read, may take dK); else None;
+    # bs.dq_writer: dq_full [W] (a warpgroup's partial dQ is in dq_smem), dq_empty [W] (the
+    # writer warp's reduce-add has read it); else None.
     # Barriers: k_ready, v_ready [W], step_ready [stages] (every copy of a streamed step arrives
     # on it: Q, lse, dO, delta, hashes, the bias tiles, the q tables; `step_copies`), consumed
-    # [stages], ds_ready, dq_done, then kvtok_ready [W] per kv table.
+    # [stages], ds_ready, dq_done, dq_full, dq_empty, then kvtok_ready [W] per kv table.
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, hash_smem,
      bias_smem, ds_smem, dq_smem) = smem[:12]
-    (k_ready, v_ready, step_ready, consumed, ds_ready, dq_done) = barriers[:6]
+    (k_ready, v_ready, step_ready, consumed, ds_ready, dq_done, dq_full, dq_empty) = barriers[:8]
     n_tok = len(smem[12:]) // 2
     kvtok_smem, qtok_smem = smem[12:12 + n_tok], smem[12 + n_tok:]
-    kvtok_ready = barriers[6:]
+    kvtok_ready = barriers[8:]
     dropout = hash_ref is not None
     W, stages, bq, G = bs.num_compute_wgs, bs.num_stages, bs.block_q, spec.group_size
     rows = bs.block_kv // W
@@ -86,6 +88,19 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     def slot_of(step):
         return lax.rem(step, jnp.int32(stages))
 
+    dq_width = bs.dq_width(spec)  # the fused partial dQ's columns
+
+    def _dq_reduce(w, q_tile, head):
+        """Warpgroup w's partial dQ (in dq_smem) added into the accumulator by TMA."""
+        cols = pl.ds(w * dq_width, dq_width) if bs.dq_columns else slice(None)
+        rows_q = pl.ds(q_tile * bq, bq)
+        if interpret:  # no TMA reduction in the interpreter: this (key tile, wg)'s slice
+            plgpu.copy_smem_to_gmem(dq_smem.at[w],
+                                    dq_ref.at[kv_tile * W + w, batch, rows_q, head, cols])
+        else:
+            plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[batch, rows_q, head, cols],
+                                    reduction_op="add")
+
     @pl.when(wg < W)
     def _compute():
         plgpu.set_max_registers(bs.compute_registers, action="increase")
@@ -103,7 +118,6 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 plgpu.barrier_wait(ready.at[wg])
             kv_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in kvtok_smem] + [None]
         accumulate = mma_from_smem if interpret else mma_from_registers
-        dq_width = bs.dq_width(spec)  # the partial dQ's columns
         staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         kv_tail = spec.kv_len % bs.block_kv != 0
         # fold_stats: Sᵀ's accumulator starts at -lse / c, dPᵀ's at -delta (c = scale log2 e)
@@ -205,7 +219,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     return acc[...]
 
                 part_dq = pl.run_scoped(mma, plgpu.ACC((bq, dq_width), jnp.float32))
-                _dq_store(part_dq, q_tile, kv_head * G + g)
+                _dq_store(part_dq, q_tile, kv_head * G + g, step)
             return carry
 
         def pipelined(carry, q_tile_s, do_tile, products, score_grads, step, q_tile, head):
@@ -239,7 +253,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     _dq_gemm(acc, step)
                     plgpu.wgmma(dk_ref, dst, q_tile_s)
                     # WGMMA groups complete in order: dV's and dQ's are in, dK's still runs
-                    _dq_store(plgpu.wgmma_accumulator_load(acc, wait_n=1), q_tile, head)
+                    _dq_store(plgpu.wgmma_accumulator_load(acc, wait_n=1), q_tile, head, step)
 
                 pl.run_scoped(dq_then_dk, plgpu.ACC((bq, dq_width), jnp.float32))
 
@@ -282,19 +296,23 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             for ds_t, k_part in pairs:
                 plgpu.wgmma(acc, ds_t.transpose((1, 0)), k_part)
 
-        def _dq_store(part_dq, q_tile, head):
-            """The step's float32 partial dQ out of SMEM by a TMA reduce-add."""
-            cols = pl.ds(wg * dq_width, dq_width) if bs.dq_columns else slice(None)
+        def _dq_store(part_dq, q_tile, head, step):
+            """The step's float32 partial dQ out of SMEM by a TMA reduce-add: issued here, or
+            (dq_writer) handed to the memory warpgroup's writer warp (FA3's dQ writer)."""
+            if bs.dq_writer:
+                @pl.when(step > 0)
+                def _():  # the writer has read the last step's partial
+                    plgpu.barrier_wait(dq_empty.at[wg])
+
+                dq_smem.at[wg][...] = part_dq
+                plgpu.commit_smem()  # the stores, fenced for TMA's proxy, before the arrive
+                plgpu.barrier_arrive(dq_full.at[wg])
+                return
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's partial has left
             dq_smem.at[wg][...] = part_dq
             plgpu.commit_smem()
-            rows_q = pl.ds(q_tile * bq, bq)
-            if interpret:  # no TMA reduction in the interpreter: this (key tile, wg)'s slice
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg],
-                                        dq_ref.at[kv_tile * W + wg, batch, rows_q, head, cols])
-            else:
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[batch, rows_q, head, cols],
-                                        reduction_op="add")
+            _dq_reduce(wg, q_tile, head)
+
 
         def pass_over(q_tile, carry, *, g):
             # a streamed tile outside this warpgroup's own range (wg_ranges): observe its
@@ -318,6 +336,11 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         zeros = ((() if part == "dv" else (zero_acc((rows, spec.qk_dim)),))
                  + (() if part == "dk" else (zero_acc((rows, spec.v_dim)),)))
         accs = list(lax.fori_loop(0, G, head, zeros))
+        if bs.dq_writer:
+            @pl.when(G * count > 0)
+            def _():  # the writer has read the last partial (every phase observed)
+                plgpu.barrier_wait(dq_empty.at[wg])
+
         if bs.dq_columns:  # the other warpgroup's dQ GEMMs read this one's K until it is done
             plgpu.barrier_arrive(dq_done)
             plgpu.barrier_wait(dq_done)
@@ -339,15 +362,14 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_rows])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM read out; the writes land anyway
 
-    @pl.when(wg == W)
-    def _memory():
-        plgpu.set_max_registers(bs.memory_registers, action="decrease")
+    def step_tile(step):  # (query head, query tile) of streamed step `step`
         per_head = jnp.maximum(count, 1)
+        return kv_head * G + lax.div(step, per_head), visit(r.lo + lax.rem(step, per_head))
 
+    def load_steps():
         @pl.loop(0, G * count)
         def _(step):
-            g, q_tile = lax.div(step, per_head), visit(r.lo + lax.rem(step, per_head))
-            head = kv_head * G + g
+            head, q_tile = step_tile(step)
             slot = slot_of(step)
             q_rows = (batch, pl.ds(q_tile * bq, bq), head)
             stats = (batch, head, pl.ds(q_tile * bq, bq))
@@ -375,3 +397,26 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                         bias_smem.at[slot, w], ready)
 
         ring_drain((consumed,), slot_of, G * count, stages)
+
+    def write_steps():  # dq_writer: each step's partial dQ of every warpgroup, reduce-added
+        @pl.loop(0, G * count)
+        def _(step):
+            head, q_tile = step_tile(step)
+            for w in range(W):
+                plgpu.barrier_wait(dq_full.at[w])
+                _dq_reduce(w, q_tile, head)
+            for w in range(W):  # in issue order: the first partial is read first
+                plgpu.wait_smem_to_gmem(W - 1 - w, wait_read_only=True)
+                plgpu.barrier_arrive(dq_empty.at[w])
+
+    @pl.when(wg == W)
+    def _memory():
+        plgpu.set_max_registers(bs.memory_registers, action="decrease")
+        if not bs.dq_writer:
+            load_steps()
+            return
+
+        @plgpu.warp_map
+        def _(warp):  # FA3's producer warpgroup: warp 0 loads, warp 1 writes dQ out
+            pl.when(warp == 0)(load_steps)
+            pl.when(warp == 1)(write_steps)

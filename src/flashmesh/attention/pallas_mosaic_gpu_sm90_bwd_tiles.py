@@ -104,6 +104,14 @@ class BackwardBlockSizes:
       (no dQ kernel); a call with an lse cotangent takes XLA's delta. Off by default; the tuned
       table turns it on for the window anchor, where `flashmesh tune --backward` measured the
       backward at 0.8395 ms against 0.9342 without it (2026-12-06-nvidia-h200-tune-bwd).
+    dq_writer: with fused_dq, the partial dQ's reduce-adds are issued by a writer warp of the
+      memory warpgroup (FA3's dQ writer) instead of the compute warpgroups: a compute
+      warpgroup waits until the writer has read its last partial, stores the new one to SMEM
+      and arrives on a barrier; the writer waits for each warpgroup's partial, issues its TMA
+      reduce-add, and releases the buffer once TMA has read it. Takes the bulk-copy wait, a
+      warpgroup barrier and the issue out of the compute warpgroups' step. Not with wg_ranges
+      (the writer follows every warpgroup through every step). Off by default until a GPU has
+      timed it.
     fold_stats: the dK/dV kernel's Sᵀ and dPᵀ accumulators start from -lse / (scale log2 e)
       and -delta (broadcast over the keys) instead of zeros, so Pᵀ = exp2(acc scale log2 e)
       and dSᵀ = Pᵀ acc: the two per-query vectors (16 registers a thread each at block_q 64)
@@ -135,6 +143,7 @@ class BackwardBlockSizes:
     wg_ranges: bool = False
     persistent_dq: bool = False
     delta_in_dq: bool = False
+    dq_writer: bool = False
     fold_stats: bool = False
     tma_tails: bool = True
 
@@ -153,7 +162,7 @@ class BackwardBlockSizes:
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
         for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap", "wg_ranges",
-                     "persistent_dq", "delta_in_dq", "fold_stats", "tma_tails"):
+                     "persistent_dq", "delta_in_dq", "dq_writer", "fold_stats", "tma_tails"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:
@@ -164,6 +173,12 @@ class BackwardBlockSizes:
                              f"num_compute_wgs=2 (it splits the fused dQ GEMM between two "
                              f"warpgroups), got fused_dq={self.fused_dq}, "
                              f"num_compute_wgs={self.num_compute_wgs}")
+        if self.dq_writer and not self.fused_dq:
+            raise ValueError("BackwardBlockSizes.dq_writer=True needs fused_dq=True (it writes the "
+                             "fused kernel's partial dQ)")
+        if self.dq_writer and self.wg_ranges:
+            raise ValueError("BackwardBlockSizes.dq_writer=True needs wg_ranges=False (the writer "
+                             "follows every warpgroup through every step)")
         if self.wg_ranges and (self.dq_columns or self.stagger_q):
             raise ValueError("BackwardBlockSizes.wg_ranges=True needs dq_columns=False and "
                              "stagger_q=False (both make every warpgroup take every step), got "
