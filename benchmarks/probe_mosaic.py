@@ -15,7 +15,7 @@ over a small grid of valid configs (`bwd_grid`); `--bwd-overlap`: BWD_OVERLAP (e
 BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-ranges`:
 BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
 BWD_DELTA (delta_in_dq) the same way; `--bwd-fold`: BWD_FOLD (overlap, fold_stats, the fused form
-by columns, dq_writer) the same way; `--window`: the window kernel's WINDOW_CONFIGS
+by columns, dq_writer, ds_sync) the same way; `--window`: the window kernel's WINDOW_CONFIGS
 (ping-pong off and on, block_kv, the Q ring) the same way, on the window shapes named. Each alternated mode also lists each config's kernels.
 `--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
 name meaning True), on top of today's config, so that a profiler's launch count finds it (the
@@ -145,14 +145,14 @@ BWD_WG_RANGES = [dict(), dict(wg_ranges=True), dict(wg_ranges=True, overlap=True
                  dict(persistent_dq=True), dict(wg_ranges=True, persistent_dq=True)]
 # `--bwd-delta`: today's config with and without delta computed by the dQ kernel
 BWD_DELTA = [dict(), dict(delta_in_dq=True)]
-# `--bwd-fold`: today's config, with overlap, and with lse and delta folded into the
-# accumulators' initial values (fold_stats); the fused form by columns with overlap, without
-# and with fold_stats, then also with the writer warp (dq_writer) (configs equal to an
-# earlier one are timed once)
+# `--bwd-fold`: today's config, and with overlap and lse and delta folded into the
+# accumulators' initial values (fold_stats); the fused form by columns with overlap, then
+# with fold_stats, with the writer warp (dq_writer) too, with the named-barrier dSᵀ exchange
+# (ds_sync) too (configs equal to an earlier one are timed once)
 FUSED_OVERLAP = dict(num_stages=2, fused_dq=True, dq_columns=True, overlap=True)
-BWD_FOLD = [dict(), dict(overlap=True), dict(overlap=True, fold_stats=True), FUSED_OVERLAP,
+BWD_FOLD = [dict(), dict(overlap=True, fold_stats=True), FUSED_OVERLAP,
             dict(FUSED_OVERLAP, fold_stats=True), dict(FUSED_OVERLAP, fold_stats=True, dq_writer=True),
-            dict(FUSED_OVERLAP, dq_writer=True)]
+            dict(FUSED_OVERLAP, fold_stats=True, dq_writer=True, ds_sync=True)]
 ALTERNATED = {"--bwd-overlap": BWD_OVERLAP, "--bwd-wg-ranges": BWD_WG_RANGES, "--bwd-delta": BWD_DELTA,
               "--bwd-fold": BWD_FOLD}
 

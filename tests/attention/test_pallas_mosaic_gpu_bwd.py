@@ -123,6 +123,10 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     Case("dq_writer_fold_columns_d128_causal_gqa_tails", T=200, S=136, N=2, K=1, Dqk=128, Dv=64,
          window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, dq_writer=True,
                                     fold_stats=True), races=True),
+    # ds_sync: the dSᵀ exchange through a named barrier (races on: its fence and bar.sync)
+    Case("ds_sync_columns_d128_window_tails", T=200, S=264, N=2, K=1, Dqk=128, Dv=128,
+         window=(50, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, ds_sync=True),
+         races=True),
     Case("dq_writer_one_wg_stagger_full", T=256, S=200, N=2, K=1, window=(-1, -1),
          blocks=dataclasses.replace(ONE_WG, fused_dq=True, stagger_q=True, dq_writer=True)),
     Case("fold_stats_window_gqa_learnable", T=256, S=200, N=2, K=1, window=(40, 10),
@@ -248,6 +252,12 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
     Case("gpu_dq_writer_fold_overlap_columns_d128_causal_gqa", T=1024, S=1024, N=8, K=2,
          Dqk=128, Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
                                                      overlap=True, dq_writer=True, fold_stats=True)),
+    Case("gpu_ds_sync_writer_fold_overlap_columns_d128_causal", T=1024, S=1024, N=8, K=2,
+         Dqk=128, Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
+                                                     overlap=True, dq_writer=True, ds_sync=True,
+                                                     fold_stats=True)),
+    Case("gpu_ds_sync_columns_d128_full_tails", T=700, S=904, N=4, K=4, Dqk=128, Dv=128,
+         blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, ds_sync=True)),
     Case("gpu_dq_writer_columns_d128_full_tails", T=700, S=904, N=4, K=4, Dqk=128, Dv=128,
          blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True, dq_writer=True)),
     Case("gpu_dq_writer_d64_window_tails_br", T=1000, S=1100, N=4, K=4, window=(256, 0),
@@ -385,6 +395,10 @@ def test_backward_gpu(case):
     Case("dq_writer_fold_overlap_columns_d128_causal", T=512, S=512, N=4, K=2, Dqk=128,
          Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
                                             overlap=True, dq_writer=True, fold_stats=True)),
+    Case("ds_sync_writer_fold_overlap_columns_d128_causal", T=512, S=512, N=4, K=2, Dqk=128,
+         Dv=128, window=(-1, 0), blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
+                                            overlap=True, dq_writer=True, ds_sync=True,
+                                            fold_stats=True)),
     Case("fold_stats_d64_window_one_wg", T=200, S=300, N=2, K=1, window=(40, 0),
          blocks=dataclasses.replace(ONE_WG, fold_stats=True)),
     Case("fold_stats_overlap_d128_cap_unfolded", T=512, S=512, N=4, K=2, Dqk=128, Dv=128,
@@ -556,6 +570,8 @@ def test_block_sizes_and_refusals():
         BBS(overlap=True, split_dkv=True)
     with pytest.raises(ValueError, match="stagger_q=True needs fused_dq=True"):
         BBS(stagger_q=True)
+    with pytest.raises(ValueError, match="ds_sync=True needs dq_columns=True"):
+        BBS(fused_dq=True, ds_sync=True)
     with pytest.raises(ValueError, match="dq_writer=True needs fused_dq=True"):
         BBS(dq_writer=True)
     with pytest.raises(ValueError, match="dq_writer=True needs wg_ranges=False"):

@@ -111,6 +111,7 @@ Example (sm90 = flashmesh.attention.pallas_mosaic_gpu_sm90, q/k/v/do as sm90.for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -424,10 +425,14 @@ def _launch(kernel, inputs, out_type, smem, barriers, grid, grid_names, bs, inte
 
 
 def _interpret_params(interpret):
-    """True: the interpreter's defaults; an InterpretGPUParams (e.g. detect_races=True) as is."""
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    return plgpu.InterpretGPUParams() if interpret else None
+    """True: the interpreter's defaults; an InterpretGPUParams (e.g. detect_races=True) as is;
+    either in the mode that models the kernels' inline PTX (ds_sync's fence and named barrier;
+    jax 0.11.2 runs it only in its tokamax mode)."""
+    if not interpret:
+        return None
+    if not isinstance(interpret, plgpu.InterpretGPUParams):
+        interpret = plgpu.InterpretGPUParams()
+    return dataclasses.replace(interpret, inline_mgpu="_hack_model_inline_mgpu_tokamax")
 
 
 def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret):
@@ -455,8 +460,8 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
     barriers = [plgpu.Barrier(num_barriers=W), plgpu.Barrier(num_barriers=W),
                 plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=W, num_barriers=stages)]
-    barriers += ([plgpu.Barrier(num_arrivals=W, num_barriers=2), plgpu.Barrier(num_arrivals=W)]
-                 if bs.dq_columns else [None, None])
+    barriers += ([None if bs.ds_sync else plgpu.Barrier(num_arrivals=W, num_barriers=2),
+                  plgpu.Barrier(num_arrivals=W)] if bs.dq_columns else [None, None])
     barriers += [plgpu.Barrier(num_barriers=W) if bs.dq_writer else None] * 2  # dq_full, dq_empty
     barriers += [plgpu.Barrier(num_barriers=W)] * n_tok
     dq_acc = None

@@ -13,13 +13,15 @@ from jax import lax
 
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-from flashmesh.attention.pallas_mosaic_gpu_common import clamp_within
+from flashmesh.attention.pallas_mosaic_gpu_common import WARPGROUP, clamp_within
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_from,
                                                                     products_overlapped, ring_drain,
                                                                     walk_ranges, wgmma_iota, zero_acc)
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import BackwardBlockSizes, band_q_range
-from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import LOG2E, band_mask, dropout_keep
+from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LOG2E, band_mask, dropout_keep,
+                                                               fence_async_shared, first_free_barrier,
+                                                               named_barrier)
 from flashmesh.attention.spec import AttentionSpec
 
 
@@ -261,10 +263,14 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
 
         def _ds_to_smem(ds16, step):
             """dSᵀ into this warpgroup's SMEM buffer (by step parity with dq_columns, which
-            then tells the other warpgroup it is there)."""
+            then tells the other warpgroup it is there: an mbarrier arrive, or with ds_sync
+            only the fence before `_ds_wait`'s named barrier)."""
             if bs.dq_columns:
                 parity = lax.rem(step, 2)
                 ds_smem.at[parity, wg][...] = ds16
+                if bs.ds_sync:
+                    fence_async_shared()
+                    return
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_ready.at[parity])
             else:
@@ -272,8 +278,11 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 plgpu.commit_smem()
 
         def _ds_wait(step):
-            """dq_columns: wait until both warpgroups' dSᵀ of this step are in SMEM."""
-            if bs.dq_columns:
+            """dq_columns: wait until both warpgroups' dSᵀ of this step are in SMEM (ds_sync:
+            one bar.sync over both compute warpgroups, FA3's exchange)."""
+            if bs.ds_sync:
+                named_barrier("sync", W * WARPGROUP)(jnp.int32(first_free_barrier(W + 1)))
+            elif bs.dq_columns:
                 plgpu.barrier_wait(ds_ready.at[lax.rem(step, 2)])
 
         def _ds_exchange(ds16, step):

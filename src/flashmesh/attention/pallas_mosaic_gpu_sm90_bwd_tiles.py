@@ -112,6 +112,10 @@ class BackwardBlockSizes:
       warpgroup barrier and the issue out of the compute warpgroups' step. Not with wg_ranges
       (the writer follows every warpgroup through every step). Off by default until a GPU has
       timed it.
+    ds_sync: with dq_columns, the warpgroups exchange dSᵀ through one hardware named barrier
+      (each thread fences its SMEM stores for WGMMA, then bar.sync over both compute
+      warpgroups: FA3's exchange) instead of a warpgroup barrier, an mbarrier arrive and a
+      wait on it. Off by default until a GPU has timed it.
     fold_stats: the dK/dV kernel's Sᵀ and dPᵀ accumulators start from -lse / (scale log2 e)
       and -delta (broadcast over the keys) instead of zeros, so Pᵀ = exp2(acc scale log2 e)
       and dSᵀ = Pᵀ acc: the two per-query vectors (16 registers a thread each at block_q 64)
@@ -144,6 +148,7 @@ class BackwardBlockSizes:
     persistent_dq: bool = False
     delta_in_dq: bool = False
     dq_writer: bool = False
+    ds_sync: bool = False
     fold_stats: bool = False
     tma_tails: bool = True
 
@@ -162,7 +167,8 @@ class BackwardBlockSizes:
             check(name, lambda b: 0 < b <= 256 and b % 64 == 0, "a multiple of 64 in [64, 256]")
         check("num_stages", lambda s: s >= 1, ">= 1")
         for name in ("split_dkv", "fused_dq", "stagger_q", "dq_columns", "overlap", "wg_ranges",
-                     "persistent_dq", "delta_in_dq", "dq_writer", "fold_stats", "tma_tails"):
+                     "persistent_dq", "delta_in_dq", "dq_writer", "ds_sync", "fold_stats",
+                     "tma_tails"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.stagger_q and not self.fused_dq:
@@ -176,6 +182,9 @@ class BackwardBlockSizes:
         if self.dq_writer and not self.fused_dq:
             raise ValueError("BackwardBlockSizes.dq_writer=True needs fused_dq=True (it writes the "
                              "fused kernel's partial dQ)")
+        if self.ds_sync and not self.dq_columns:
+            raise ValueError("BackwardBlockSizes.ds_sync=True needs dq_columns=True (it is the "
+                             "warpgroups' dSᵀ exchange)")
         if self.dq_writer and self.wg_ranges:
             raise ValueError("BackwardBlockSizes.dq_writer=True needs wg_ranges=False (the writer "
                              "follows every warpgroup through every step)")

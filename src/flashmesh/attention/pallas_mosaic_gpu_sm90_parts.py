@@ -54,6 +54,18 @@ def named_barrier(operation: str, num_threads: int):
     return bar_op
 
 
+def fence_async_shared():
+    """`fence.proxy.async.shared::cta`: this thread's SMEM stores made visible to WGMMA and TMA
+    (commit_smem without its warpgroup barrier, for a barrier of the kernel's own after it).
+    The function's name is the one Mosaic GPU's interpreter runs as commit_smem."""
+    @plgpu.inline_mgpu()
+    def fence_async_shared_cta(_):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
+                        has_side_effects=True)
+
+    fence_async_shared_cta()
+
+
 def dropout_keep(row_hash, key0, shape, key_dim: int, rate: float):
     """In a kernel: the last round of masks.dropout_keep over a tile, bool `shape` (WGMMA
     layout). row_hash: `dropout_row_hash` of the tile's queries, a uint32 vector along the
