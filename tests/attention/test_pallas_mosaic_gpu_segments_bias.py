@@ -105,6 +105,15 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
          blocks=(FWD, dataclasses.replace(BWD, wg_ranges=True))),
     Case("gpu_wg_ranges_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.1,
          blocks=(FWD, dataclasses.replace(BWD, wg_ranges=True))),
+    # fold_stats (written 2026-12-07 without a GPU): with a bias and a cap the usual form runs
+    # (a finite additive mask makes |lse| large); 16 documents fused, the ids' mask folded
+    Case("gpu_fold_stats_packed_window_gqa_tails_bias", q_ids=PACKED, window=(40, 0),
+         bias=(2, 1), blocks=(FWD, dataclasses.replace(BWD, fold_stats=True, overlap=True))),
+    Case("gpu_fold_stats_fused_columns_16_documents_causal_d128", N=8, K=2, D=128,
+         blocks=(FWD, dataclasses.replace(BWD, fused_dq=True, dq_columns=True, overlap=True,
+                                          fold_stats=True, dq_writer=True)),
+         q_ids=(tuple((i + 1, n) for i, n in enumerate(
+             [97, 400, 31, 256, 512, 129, 64, 300, 199, 255, 257, 130, 70, 600, 300, 306])),)),
     # delta_in_dq (written 2026-12-05 without a GPU): delta from the dQ kernel, persistent, with
     # padding, dropout and a bias
     Case("gpu_delta_in_dq_persistent_padding_cross_dropout_bias", mask="none", dropout_rate=0.2,
@@ -116,6 +125,9 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
 # computed by the dQ kernel under dropout (its (1 - r)) with a learnable sink (dsink from it).
 FUSED_CASE = Case("fused_dq_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.25,
                   blocks=(FWD, dataclasses.replace(BWD, fused_dq=True)))
+# fold_stats over the block map's tiles (the ids' mask on an accumulator that holds s - lse/c)
+FOLD_CASE = Case("fold_stats_packed_window_gqa_tails", q_ids=PACKED, window=(40, 0),
+                 blocks=(FWD, dataclasses.replace(BWD, fold_stats=True)))
 DELTA_CASE = Case("delta_in_dq_packed_window_dropout_learnable", q_ids=PACKED, window=(40, 0),
                   dropout_rate=0.25, softmax="learnable",
                   blocks=(FWD, dataclasses.replace(BWD, delta_in_dq=True)))
@@ -238,13 +250,14 @@ def check_case(case: Case, *, interpret: bool):
         assert (np.asarray(ranges[..., 3] - ranges[..., 0]) < nk).any(), np.asarray(ranges)
 
 
-@pytest.mark.parametrize("case", CASES + [FUSED_CASE, DELTA_CASE], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + [FUSED_CASE, DELTA_CASE, FOLD_CASE], ids=lambda c: c.name)
 def test_segments_interpret(case, interpreter):
     check_case(case, interpret=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES + GPU_CASES + [FUSED_CASE, DELTA_CASE], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + GPU_CASES + [FUSED_CASE, DELTA_CASE, FOLD_CASE],
+                         ids=lambda c: c.name)
 def test_segments_gpu(case):
     check_case(case, interpret=False)
 

@@ -122,9 +122,11 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         accumulate = mma_from_smem if interpret else mma_from_registers
         staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         kv_tail = spec.kv_len % bs.block_kv != 0
-        # fold_stats: Sᵀ's accumulator starts at -lse / c, dPᵀ's at -delta (c = scale log2 e)
+        # fold_stats: Sᵀ's accumulator starts at -lse / c, dPᵀ's at -delta (c = scale log2 e);
+        # not with a bias, whose finite masks can make |lse| large beside s (the accumulator's
+        # float32 rounding of s - lse / c would then carry |lse| 2^-24 into P)
         fold = (bs.fold_stats and part == "both" and not dropout and spec.scale != 0
-                and spec.logits_soft_cap is None)
+                and spec.logits_soft_cap is None and bias_ref is None)
 
         def q_step(q_tile, carry, *, g, masked: bool):
             # part "both": dK and dV; "dv": Sᵀ and dV only; "dk": Sᵀ, dPᵀ and dK only
@@ -314,8 +316,8 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     plgpu.barrier_wait(dq_empty.at[wg])
 
                 dq_smem.at[wg][...] = part_dq
-                plgpu.commit_smem()  # the stores, fenced for TMA's proxy, before the arrive
-                plgpu.barrier_arrive(dq_full.at[wg])
+                fence_async_shared()  # each thread's stores, for TMA's proxy, before its arrive
+                plgpu.barrier_arrive(dq_full.at[wg])  # (every thread arrives: release order)
                 return
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's partial has left
             dq_smem.at[wg][...] = part_dq

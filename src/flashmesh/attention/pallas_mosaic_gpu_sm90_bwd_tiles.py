@@ -121,8 +121,10 @@ class BackwardBlockSizes:
       and dSᵀ = Pᵀ acc: the two per-query vectors (16 registers a thread each at block_q 64)
       are dead once the GEMMs are issued instead of live beside Pᵀ and dPᵀ, where the fused
       kernels spill, and one subtraction per element goes. Applies to calls without a soft cap
-      (its slope needs the raw logits) or dropout (its dropped elements need delta), and not
-      to split_dkv's passes; the others run the usual form. Results differ from the default
+      (its slope needs the raw logits), dropout (its dropped elements need delta) or a bias
+      (a finite additive mask can make |lse| large beside the logits, and the accumulator's
+      rounding of s - lse / c then grows with it), and not to split_dkv's passes; the others
+      run the usual form. Results differ from the default
       by float32 rounding (the lse enters the accumulator before the products). Off by
       default until a GPU has timed it.
     tma_tails: as `BlockSizes.tma_tails`: Q, dO, O, K and V of a length that is a multiple of 8
