@@ -327,3 +327,30 @@ def test_refuses_features_and_bad_sinks():
     with pytest.raises(ValueError, match="num_heads=2 must be a multiple of num_kv_heads=3"):
         sm90.forward(q, jnp.zeros((1, 128, 3, 64), jnp.bfloat16),
                      jnp.zeros((1, 128, 3, 64), jnp.bfloat16), scale=0.125)
+
+
+@pytest.mark.parametrize("q_tiles, heads, batch, ctas", [(64, 32, 1, 132), (16, 32, 4, 132),
+                                                          (5, 3, 2, 7), (3, 1, 1, 3)])
+@pytest.mark.parametrize("q_major, snake", [(False, False), (True, False), (True, True)])
+def test_persistent_tiles_cover_each_tile_once(q_tiles, heads, batch, ctas, q_major, snake):
+    """Every (query tile, head, batch) goes to exactly one CTA of the persistent grid; with
+    snake, causal work (tile index + 1, longest first) is spread within a few tiles' work of
+    the mean where plain q-major rounds are not."""
+    from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import persistent_tiles
+
+    ctas = min(ctas, q_tiles * heads * batch)
+    rounds = -(-q_tiles * heads * batch // ctas)
+
+    def cta(_):
+        num_local, coords = persistent_tiles(q_tiles, heads, batch, q_major=q_major, snake=snake)
+        return num_local, jnp.stack([jnp.stack(coords(jnp.int32(i))) for i in range(rounds)])
+
+    num_local, tiles = jax.vmap(cta, axis_name="sm")(jnp.arange(ctas))
+    num_local, tiles = np.asarray(num_local), np.asarray(tiles)
+    got = [tuple(tiles[c, i]) for c in range(ctas) for i in range(num_local[c])]
+    every = {(q, h, b) for q in range(q_tiles) for h in range(heads) for b in range(batch)}
+    assert len(got) == len(every) and set(got) == every
+    if (q_tiles, heads, batch) == (64, 32, 1):  # causal 8k, 32 heads, 128-row tiles, 132 SMs
+        work = [sum(q_tiles - tiles[c, i, 0] for i in range(num_local[c])) for c in range(ctas)]
+        spread = (max(work) - np.mean(work)) / np.mean(work)
+        assert (spread < 0.01) if snake else (spread > 0.03), spread

@@ -178,10 +178,11 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
     if bs.persistent_dq:  # CTA c takes the tiles c, c + C, c + 2C, ... of the flat order:
         # query-tile-major where tiles differ in work (an unbounded side, segments), so that the
         # longest tiles of every head come first and each CTA meets every length; (batch,
-        # head)-major for a band's equal tiles (as measured on the window anchor)
+        # head)-major for a band's equal tiles (as measured on the window anchor); in snake
+        # rounds (`persistent_tiles`)
         q_major = tok_refs is not None or min(spec.window) < 0
         num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch,
-                                             q_major=q_major)
+                                             q_major=q_major, snake=q_major)
     else:  # one tile per CTA: grid (head, q tile, batch)
         def coords(i):
             del i

@@ -107,23 +107,34 @@ def pv_from_smem(acc, p16, v_tile, p_smem, during):
     return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def persistent_tiles(num_q_tiles: int, num_heads: int, batch: int, *, q_major: bool = False):
+def persistent_tiles(num_q_tiles: int, num_heads: int, batch: int, *, q_major: bool = False,
+                     snake: bool = False):
     """A persistent grid (axis "sm", at most one CTA per tile): CTA c takes the tiles c, c + C,
     c + 2C, ... of the flat (batch, head, query tile) order, or with q_major of the flat (query
-    tile, batch, head) order. Returns (num_local, coords), the CTA's tile count and coords(i) ->
-    (query tile index, head, batch) of its i-th tile.
+    tile, batch, head) order; with snake, in odd rounds (flat indices [iC, (i + 1)C), i odd)
+    CTA c takes iC + C - 1 - c instead. Returns (num_local, coords), the CTA's tile count and
+    coords(i) -> (query tile index, head, batch) of its i-th tile.
 
     q_major is for tiles of unequal work (causal: the query tile index sets it): each CTA's
     stride then visits every query tile index about equally often, where in the (batch, head)-
     major order a CTA's indices repeat with the stride's residue modulo the tile count (the
     guide layer's dQ, 16 tiles a head on 132 SMs: counted, some CTAs got 18% more key tiles
-    than the mean)."""
+    than the mean). snake evens out what q_major leaves: with the tiles in decreasing work
+    (longest first), the CTA that took the longest tile of a round takes the shortest of the
+    next (a list-scheduling model of causal 8k's 2048 forward tiles on 132 SMs: 0.15% over the
+    ideal finish against 6.3% for q_major alone; `benchmarks/notes/2026-12-07-forward-vs-fa3.md`)."""
     cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
     total = num_q_tiles * num_heads * batch
-    num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
+    if snake:  # full rounds, then this CTA's place in the last, partial one
+        last = total // num_ctas if isinstance(num_ctas, int) else lax.div(jnp.int32(total), num_ctas)
+        place = jnp.where(lax.rem(last, 2) == 1, num_ctas - 1 - cta, cta)
+        num_local = last + (place < total - last * num_ctas).astype(jnp.int32)
+    else:
+        num_local = lax.div(total - 1 - cta, num_ctas) + 1  # the grid has at most `total` CTAs
 
     def coords(i):
-        flat = i * num_ctas + cta
+        place = jnp.where(lax.rem(i, 2) == 1, num_ctas - 1 - cta, cta) if snake else cta
+        flat = i * num_ctas + place
         if q_major:
             rest = lax.rem(flat, jnp.int32(num_heads * batch))
             return (lax.div(flat, jnp.int32(num_heads * batch)), lax.rem(rest, jnp.int32(num_heads)),
