@@ -335,9 +335,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 return s
 
-            def softmax(s, m_i, l_i, step, masked: bool):
-                """Online softmax of one tile of raw logits s: (P in the input dtype, new m, new l,
-                alpha = exp2(m_old - m_new), the factor O must be rescaled by)."""
+            def softmax(s, m_i, l_i, step, masked: bool, cast: bool = True):
+                """Online softmax of one tile of raw logits s: (P in the input dtype (float32
+                unless cast), new m, new l, alpha = exp2(m_old - m_new), the factor O must be
+                rescaled by)."""
                 # else every tile is FULL
                 masked = masked and (spec.has_window or kv_tail or bool(tok_refs))
                 slot = slot_of(step)
@@ -382,7 +383,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                 if row_hash is not None:  # only P·V's P loses them (1 / keep prob. in store)
                     keep = dropout_keep(row_hash, step * bkv, s.shape, 1, spec.dropout_rate)
                     p = jnp.where(keep, p, 0.0)
-                return p.astype(dtype), m_new, l_new, alpha
+                return (p.astype(dtype) if cast else p), m_new, l_new, alpha
 
             def rescale(acc, alpha):
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -438,11 +439,15 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
 
                     def on_s(s):  # S_j is complete, P_j-1 V_j-1 may still run
                         plgpu.barrier_arrive(k_consumed.at[slot])
-                        return softmax(s, m_i, l_i, j, masked)
+                        return softmax(s, m_i, l_i, j, masked, cast=False)
 
-                    acc, (p16, m_new, l_new, alpha) = pair(
+                    acc, (p, m_new, l_new, alpha) = pair(
                         acc, s_zero, q_wg, k_smem.at[slot].transpose((1, 0)), p_prev,
-                        v_smem.at[prev], p_wg, (p_prev, m_i, l_i, m_i), turn_signal, on_s)
+                        v_smem.at[prev], p_wg, (s_zero, m_i, l_i, m_i), turn_signal, on_s)
+                    # FA3's order: P_j is cast once P_j-1 V_j-1 is done (its registers free),
+                    # the float32 P pinned after that wait, so the 16-bit P_j and P_j-1 are
+                    # never live together (one 64 x bkv operand more at the peak otherwise)
+                    p16 = lax.optimization_barrier(p).astype(dtype)
                     plgpu.barrier_arrive(v_consumed.at[prev])
                     return rescale(acc, alpha), m_new, l_new, p16
 
