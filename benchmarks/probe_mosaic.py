@@ -17,7 +17,8 @@ BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd
 BWD_DELTA (delta_in_dq) the same way; `--bwd-fold`: BWD_FOLD (overlap, fold_stats, the fused form
 by columns, dq_writer, ds_sync) the same way; `--window`: the window kernel's WINDOW_CONFIGS
 (ping-pong off and on, block_kv, the Q ring) the same way, on the window shapes named. Each alternated mode also lists each config's kernels.
-`--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
+`--fwd-alt`: FWD_ALT (persistent, intra_wg_overlap, on the table's forward config) the
+same way. `--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
 name meaning True), on top of today's config, so that a profiler's launch count finds it (the
 `ncu` step of device_run.sh: the forward's launch, then two calls of the backward before the 20
 timed ones)."""
@@ -130,6 +131,49 @@ EXTRA = {  # shape-specific tiles
                                intra_wg_overlap=False),
                           dict(num_stages=4), dict(block_kv=256)],
 }
+
+
+# `--fwd-alt`: the table's forward config and, on top of it, the persistent grid (snake order
+# under causal masks), FA3's intra-warpgroup overlap (with FA3's 240 / 24 registers), both;
+# alternated in 3 rounds, each config's kernels listed
+FWD_ALT = [dict(), dict(persistent=True, reuse_q_for_o=False), dict(intra_wg_overlap=True),
+           dict(intra_wg_overlap=True, compute_registers=240, memory_registers=24),
+           dict(persistent=True, reuse_q_for_o=False, intra_wg_overlap=True)]
+
+
+def forward_alternated(q, k, v, window, out_ref):
+    """`--fwd-alt`: FWD_ALT's configs over the table's, timed in alternated rounds."""
+    from flashmesh.attention import pallas_mosaic_gpu_common as common
+    from flashmesh.bench.kernel_time import kernels_ms
+
+    spec = sm90.spec_for(q, k, v, scale=q.shape[-1] ** -0.5, window=window)
+    today = common.default_for(spec, jax.devices()[0].device_kind)
+    print(f"  table's config: {today}", flush=True)
+    timed, seen = {}, set()
+    for cfg in FWD_ALT:
+        label = str(cfg or "table")
+        try:
+            bs = dataclasses.replace(today, **cfg).validate_for(spec)
+            if bs in seen:
+                print(f"  fwd {label}: the table's config or an earlier one's", flush=True)
+                continue
+            seen.add(bs)
+            f = jax.jit(lambda q, k, v, bs=bs: sm90.forward_spec(q, k, v, spec, block_sizes=bs)[0])
+            out = jax.block_until_ready(f(q, k, v))
+            err = float(jnp.linalg.norm((out - out_ref).astype(jnp.float32))
+                        / jnp.linalg.norm(out_ref.astype(jnp.float32)))
+            timed[label] = (f, err)
+        except Exception as e:  # a probe: report and go on
+            print(f"  fwd {label}: FAILED {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:400] if str(e) else ''}", flush=True)
+            traceback.print_exc(limit=3)
+    alternated_rounds(timed, (q, k, v), "fwd", "rel err vs cudnn")
+    for label, (f, _) in timed.items():
+        try:
+            print(f"  kernels {label}: " + ", ".join(f"{name[:60]} {ms:.3f}" for name, ms in
+                                                     kernels_ms(f, (q, k, v)).items()), flush=True)
+        except Exception as e:  # a probe: report and go on
+            print(f"  kernels {label}: FAILED {type(e).__name__}: {e}", flush=True)
 
 
 # BackwardBlockSizes fields per backward config; dict() is default_for's two-kernel backward.
@@ -327,6 +371,9 @@ def main():
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
         if "--window" in sys.argv:
             window_alone(q, k, v, window, out_ref)
+            continue
+        if "--fwd-alt" in sys.argv:
+            forward_alternated(q, k, v, window, out_ref)
             continue
         if {"--bwd", "--bwd-grid", *ALTERNATED} & set(sys.argv) or NAMED:
             backward_alone(name, q, k, v, window, t_ref)
