@@ -125,7 +125,8 @@ GPU_CASES = [  # the default tiles; 16 documents of uneven lengths in T = 4096
 # computed by the dQ kernel under dropout (its (1 - r)) with a learnable sink (dsink from it).
 FUSED_CASE = Case("fused_dq_packed_window_dropout", q_ids=PACKED, window=(40, 0), dropout_rate=0.25,
                   blocks=(FWD, dataclasses.replace(BWD, fused_dq=True)))
-# fold_stats over the block map's tiles (the ids' mask on an accumulator that holds s - lse/c)
+# fold_stats over the block map's tiles (the ids' mask on an accumulator that holds s - lse/c;
+# GPU only for CI time: the interpreter runs the fold under band masks in the backward's file)
 FOLD_CASE = Case("fold_stats_packed_window_gqa_tails", q_ids=PACKED, window=(40, 0),
                  blocks=(FWD, dataclasses.replace(BWD, fold_stats=True)))
 DELTA_CASE = Case("delta_in_dq_packed_window_dropout_learnable", q_ids=PACKED, window=(40, 0),
@@ -250,7 +251,7 @@ def check_case(case: Case, *, interpret: bool):
         assert (np.asarray(ranges[..., 3] - ranges[..., 0]) < nk).any(), np.asarray(ranges)
 
 
-@pytest.mark.parametrize("case", CASES + [FUSED_CASE, DELTA_CASE, FOLD_CASE], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + [FUSED_CASE, DELTA_CASE], ids=lambda c: c.name)
 def test_segments_interpret(case, interpreter):
     check_case(case, interpret=True)
 
