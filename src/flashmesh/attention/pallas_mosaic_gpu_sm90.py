@@ -20,8 +20,11 @@ Schedule (BlockSizes fields, each selectable so the variants can be timed agains
   every barrier (one range per CTA, so all warpgroups run the same number of blocks).
 * `intra_wg_overlap` (FA3's IntraWGOverlap): a prologue issues S_lo; step j issues S_j and
   O += P_j-1 V_j-1 as one block, waits for S_j only (`wgmma_accumulator_load(wait_n=1)`), runs
-  softmax(S_j) while the P·V is in flight, then waits, releases V_j-1 and rescales O; an
-  epilogue issues the last P·V. Without it: S_j, softmax, P_j V_j, with the softmax finished
+  softmax(S_j) while the P·V is in flight, then waits, releases V_j-1, rescales O and only
+  then casts P_j to 16 bits (FA3's order: P_j-1's registers are free by then; 2026-12-07,
+  untimed; the cast inside the in-flight scope measured 1.402 ms against 0.909 without the
+  overlap on causal_8k_h32_d128, 2026-12-03-nvidia-h200-tune); an epilogue issues the last
+  P·V. Without it: S_j, softmax, P_j V_j, with the softmax finished
   before the barriers and the next K awaited under the P·V (jax's attention_mgpu, tokamax).
 * `reuse_q_for_o`: O is staged in the warpgroup's Q buffer for the TMA store (Dqk == Dv), so
   3 stages fit at d128 (`BlockSizes.smem_bytes` counts the bytes as Mosaic GPU does).
@@ -29,7 +32,9 @@ Schedule (BlockSizes fields, each selectable so the variants can be timed agains
   The grid is head-major (head, query tile, batch), so that the CTAs on the chip at once share
   a few heads' K/V in L2.
 * `persistent` (tokamax's and FA3's static persistent scheduler): a grid of one CTA per SM,
-  CTA c running tiles c, c + C, ... of (batch, head, query tile) in a loop. The K/V ring's
+  CTA c running tiles c, c + C, ... of (batch, head, query tile) in a loop; where tiles differ
+  in work (causal, segments) of (query tile, batch, head), longest first, in snake rounds
+  (`persistent_tiles`; FA3 uses a dynamic counter there), untimed for causal calls. The K/V ring's
   slots and barrier phases run on across tiles (`stream_kv`'s `issued`), so the memory
   warpgroup streams the next tile's keys under the last one's compute; with O in its own buffer
   the next Q is loaded after the tile's last S GEMM and an O store's TMA is awaited only before
@@ -98,8 +103,9 @@ dims, dropout with global key numbers (kv_index). The backward pass is in
 pallas_mosaic_gpu_sm90_bwd. Tails (lengths not multiples of the tiles) are read in place where
 the length is a multiple of 8 (`BlockSizes.tma_tails`, the default: TMA's zero fill and
 clipped stores), else padded copies. Not yet done for speed: per-warpgroup
-ranges, named barriers for the K/V "consumed" handshakes, the lazy (thresholded) O rescale, a
-dynamic (LPT) persistent scheduler for causal calls.
+ranges, named barriers for the K/V "consumed" handshakes (every thread of a warpgroup arrives
+on an mbarrier today; benchmarks/notes/2026-12-07-forward-vs-fa3.md), the lazy (thresholded) O
+rescale, a dynamic (LPT) persistent scheduler for causal calls.
 
 Argument checks, the spec of a band-mask call and the dropout row hashes are in
 pallas_mosaic_gpu_inputs; the K/V ring, band mask, dropout round and the P·V forms shared with
