@@ -134,11 +134,13 @@ EXTRA = {  # shape-specific tiles
 
 
 # `--fwd-alt`: the table's forward config and, on top of it, the persistent grid (snake order
-# under causal masks), FA3's intra-warpgroup overlap (with FA3's 240 / 24 registers), both;
+# under causal masks), FA3's intra-warpgroup overlap (with FA3's 240 / 24 registers), both,
+# the named-barrier releases (named_release) alone and persistent;
 # alternated in 3 rounds, each config's kernels listed
 FWD_ALT = [dict(), dict(persistent=True, reuse_q_for_o=False), dict(intra_wg_overlap=True),
            dict(intra_wg_overlap=True, compute_registers=240, memory_registers=24),
-           dict(persistent=True, reuse_q_for_o=False, intra_wg_overlap=True)]
+           dict(persistent=True, reuse_q_for_o=False, intra_wg_overlap=True),
+           dict(named_release=True), dict(persistent=True, reuse_q_for_o=False, named_release=True)]
 
 
 def forward_alternated(q, k, v, window, out_ref):

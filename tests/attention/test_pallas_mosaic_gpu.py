@@ -77,6 +77,11 @@ CASES = [
     Case("tma_tails_persistent_causal", T=200, S=136, N=2, K=1, window=(-1, 0),
          bottom_right=True, blocks=BlockSizes(block_q=128, block_kv=64, num_stages=3,
                                               reuse_q_for_o=False, persistent=True, tma_tails=True)),
+    # named_release: the K/V slots released through named barriers (the interpreter's form:
+    # the whole memory warpgroup syncs); persistent causal in snake rounds, GQA, tails
+    Case("named_release_persistent_causal_gqa_tails", T=300, S=264, N=2, K=1, window=(-1, 0),
+         blocks=BlockSizes(block_q=128, block_kv=64, num_stages=3, reuse_q_for_o=False,
+                           persistent=True, named_release=True)),
 ]
 
 # GPU only (too large for the interpreter): the probe's tiles at full size.
@@ -136,6 +141,18 @@ GPU_CASES = [
     # and lengths off the multiples of 8 (padded copies)
     Case("d128_causal_tma_tails", T=1000, S=904, N=8, K=2, Dqk=128, Dv=128, window=(-1, 0),
          bottom_right=True, blocks=BlockSizes(tma_tails=True)),
+    # 2026-12-07 without a GPU: named_release (one producer warp), with the overlap in FA3's
+    # order, persistent causal in snake rounds, three warpgroups and 4 stages (16 barriers)
+    Case("d128_causal_named_release_overlap", T=1024, S=1024, N=8, K=2, Dqk=128, Dv=128,
+         window=(-1, 0), blocks=BlockSizes(named_release=True, intra_wg_overlap=True)),
+    Case("d128_causal_persistent_snake_named_release", T=1000, S=1000, N=16, K=16, Dqk=128,
+         Dv=128, window=(-1, 0), blocks=BlockSizes(reuse_q_for_o=False, persistent=True,
+                                                   named_release=True)),
+    Case("d128_causal_overlap_240_regs", T=1024, S=1024, N=8, K=8, Dqk=128, Dv=128,
+         window=(-1, 0), blocks=BlockSizes(intra_wg_overlap=True, compute_registers=240,
+                                           memory_registers=24)),
+    Case("d64_three_wg_named_release_tails", T=1000, S=1000, Dqk=64, Dv=64, window=(-1, 0),
+         blocks=BlockSizes(block_q=192, num_compute_wgs=3, num_stages=4, named_release=True)),
     Case("d64_three_wg_tma_tails", T=1000, S=1000, Dqk=64, Dv=64,
          blocks=BlockSizes(block_q=192, num_compute_wgs=3, num_stages=4, tma_tails=True)),
     Case("kv_splits_tma_tails", T=200, S=1000, N=4, K=1, Dqk=128, Dv=128, softmax="learnable",
@@ -258,6 +275,10 @@ LOWERINGS = [
     (1000, 96, 96, (-1, 0), "vanilla", None, BlockSizes(block_kv=64)),  # 64-byte swizzle
     (1000, 80, 32, (-1, -1), "vanilla", None, BlockSizes(block_kv=64)),  # 32-byte swizzle
     (1000, 128, 128, (-1, 0), "vanilla", None, BlockSizes(tma_tails=True)),  # T read in place
+    (1000, 128, 128, (-1, 0), "vanilla", None,  # one producer warp, named barriers
+     BlockSizes(named_release=True, intra_wg_overlap=True, persistent=True, reuse_q_for_o=False)),
+    (1000, 64, 64, (-1, 0), "vanilla", None, BlockSizes(block_q=192, num_compute_wgs=3,
+                                                        num_stages=4, named_release=True)),
 ]
 
 
@@ -305,6 +326,9 @@ def test_tma_tails_reads_lengths_in_place(T, S, in_place):
 
 
 def test_refuses_features_and_bad_sinks():
+    with pytest.raises(ValueError, match="named_release=True with num_stages=5 and num_compute_wgs=3 "
+                                         "needs 18 named barriers"):
+        BlockSizes(block_q=192, num_compute_wgs=3, num_stages=5, named_release=True)
     q = jnp.zeros((1, 192, 2, 64), jnp.bfloat16)
     kv = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"softmax='learnable' needs sink of shape \(2,\)"):

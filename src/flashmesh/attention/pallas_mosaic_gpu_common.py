@@ -268,6 +268,13 @@ class BlockSizes:
       on the H200 (2026-12-06, benchmarks/results/2026-12-06-nvidia-h200-probes); False: the
       padded copies. The lse, dropout hashes, token tables and bias stay padded (`in_place`
       says why; they are small, but for the bias).
+    named_release: the compute warpgroups release a K or V slot by `bar.arrive` on a hardware
+      named barrier (one per slot and tensor) and one warp of the memory warpgroup, the only
+      producer (`warp_map`), waits by `bar.sync` before reusing it (tokamax's form), instead of
+      every compute thread arriving on an mbarrier (Mosaic's warpgroup-wide arrive) and the
+      memory warpgroup waiting on it. Needs 2 * num_stages named barriers beside the
+      ping-pong's (16 per CTA). Off by default until a GPU has timed it (the reading
+      benchmarks/notes/2026-12-07-forward-vs-fa3.md expects 1-3%).
     """
 
     block_q: int = 128
@@ -283,6 +290,7 @@ class BlockSizes:
     num_splits: int = 1
     persistent: bool = False
     tma_tails: bool = True
+    named_release: bool = False
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -305,7 +313,7 @@ class BlockSizes:
         if self.pingpong is None:
             object.__setattr__(self, "pingpong", self.num_compute_wgs >= 2)
         for name in ("pingpong", "intra_wg_overlap", "reuse_q_for_o", "lpt_order", "persistent",
-                     "tma_tails"):
+                     "tma_tails", "named_release"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.persistent and self.num_splits > 1:
@@ -317,6 +325,12 @@ class BlockSizes:
                              "with)")
         for name in ("compute_registers", "memory_registers"):
             check(name, lambda r: 24 <= r <= 256 and r % 8 == 0, "a multiple of 8 in [24, 256]")
+        # Mosaic's barriers 0 .. W + 1, the ping-pong's W, then one per slot for K and for V
+        named = 2 * (self.num_compute_wgs + 1) + 2 * self.num_stages
+        if self.named_release and named > 16:
+            raise ValueError(f"BlockSizes.named_release=True with num_stages={self.num_stages} and "
+                             f"num_compute_wgs={self.num_compute_wgs} needs {named} named "
+                             "barriers, more than the 16 of a CTA")
         total = (self.compute_registers * self.num_compute_wgs + self.memory_registers) * WARPGROUP
         if total > REGISTERS_PER_SM:
             raise ValueError(
@@ -346,7 +360,8 @@ class BlockSizes:
                    self.num_stages * self.block_kv * spec.v_dim * size,
                    0 if self.o_reuses_q(spec) else rows * spec.v_dim * size,
                    rows * 4, rows * 4 if sink else 0]
-        barriers = W + 4 * self.num_stages + (W if sink else 0)
+        # q_ready; k, v ready and (but with named_release) consumed per stage; the sink's
+        barriers = W + (2 if self.named_release else 4) * self.num_stages + (W if sink else 0)
         return sum(_cdiv(b, SMEM_ALIGNMENT) * SMEM_ALIGNMENT for b in buffers) + 8 * barriers
 
     def accumulator_registers(self, spec: AttentionSpec) -> int:

@@ -149,10 +149,10 @@ from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_drop
                                                             check_tables, dropout_row_hash,
                                                             inputs_dropout_hash,
                                                             pad_tail, pad_to, spec_for)
-from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, band_mask, dropout_keep,
-                                                                first_free_barrier, for_each_tile,
-                                                                named_barrier,
-                                                                persistent_tiles,
+from flashmesh.attention.pallas_mosaic_gpu_sm90_parts import (LN2, LOG2E, NamedRing, band_mask,
+                                                                dropout_keep, first_free_barrier,
+                                                                for_each_tile, named_barrier,
+                                                                persistent_tiles, release,
                                                                 pv_from_registers, pv_from_smem,
                                                                 ring_slot, stream_tiles,
                                                                 tile_kv_range)
@@ -226,6 +226,12 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     qtok_smem, kvtok_smem = smem[9:9 + n_tok], smem[9 + n_tok:]
     qtok_ready, kvtok_ready = barriers[8:8 + n_tok], barriers[8 + n_tok:]
     W, rows, stages, bkv = bs.num_compute_wgs, bs.rows_per_wg, bs.num_stages, bs.block_kv
+    if bs.named_release:  # the slots' releases: named barriers after the ping-pong's, over the
+        # compute threads and one producer warp (the interpreter has no named barriers in warp
+        # threads: there the whole memory warpgroup produces and syncs)
+        first, producer = first_free_barrier(W + 1) + W, WARPGROUP if interpret else 32
+        k_consumed, v_consumed = (NamedRing(first + i * stages, W * WARPGROUP + producer)
+                                  for i in range(2))
     o_in_q = o_smem is None
     o_smem = q_smem if o_in_q else o_smem
     dtype = jnp.dtype(spec.dtype)
@@ -338,7 +344,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                     return s_ref[...]
 
                 s = pl.run_scoped(mma, plgpu.ACC((rows, bkv), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
+                release(k_consumed, slot)
                 return s
 
             def softmax(s, m_i, l_i, step, masked: bool, cast: bool = True):
@@ -420,7 +426,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                     turn_wait()
                     acc = pv(acc, p16, v_smem.at[slot], p_wg,
                              lambda: pl.when(j + 1 < hi)(lambda: wait_k(j + 1)))
-                    plgpu.barrier_arrive(v_consumed.at[slot])
+                    release(v_consumed, slot)
                     return acc, m_i, l_i
 
                 acc, m_i, l_i = run_steps(step, (acc, m_i, l_i))
@@ -444,7 +450,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                     turn_wait()
 
                     def on_s(s):  # S_j is complete, P_j-1 V_j-1 may still run
-                        plgpu.barrier_arrive(k_consumed.at[slot])
+                        release(k_consumed, slot)
                         return softmax(s, m_i, l_i, j, masked, cast=False)
 
                     acc, (p, m_new, l_new, alpha) = pair(
@@ -454,7 +460,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                     # the float32 P pinned after that wait, so the 16-bit P_j and P_j-1 are
                     # never live together (one 64 x bkv operand more at the peak otherwise)
                     p16 = lax.optimization_barrier(p).astype(dtype)
-                    plgpu.barrier_arrive(v_consumed.at[prev])
+                    release(v_consumed, prev)
                     return rescale(acc, alpha), m_new, l_new, p16
 
                 acc, m_i, l_i, p16 = run_steps(step, (acc, m_i, l_i, p16))
@@ -462,7 +468,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
                 plgpu.barrier_wait(v_ready.at[last])
                 turn_wait()
                 acc = pv(acc, p16, v_smem.at[last], p_wg, last_turn_signal)
-                plgpu.barrier_arrive(v_consumed.at[last])
+                release(v_consumed, last)
                 return acc, m_i, l_i
 
             def store(acc, m_i, l_i):
@@ -532,11 +538,21 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     def _memory():
         plgpu.set_max_registers(bs.memory_registers, action="decrease")
 
-        stream_tiles(tile, num_local,
-                     kv=((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_consumed, v_consumed)),
-                     tok=(tok_refs, kvtok_smem, kvtok_ready), bias=(bias_ref, bias_smem, bias_ready),
-                     group_size=spec.group_size, block_q=bs.block_q, rows=rows, num_wgs=W, bkv=bkv,
-                     stages=stages)
+        def stream():
+            stream_tiles(tile, num_local,
+                         kv=((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready),
+                             (k_consumed, v_consumed)),
+                         tok=(tok_refs, kvtok_smem, kvtok_ready),
+                         bias=(bias_ref, bias_smem, bias_ready), group_size=spec.group_size,
+                         block_q=bs.block_q, rows=rows, num_wgs=W, bkv=bkv, stages=stages)
+
+        if interpret or not bs.named_release:
+            stream()
+            return
+
+        @plgpu.warp_map
+        def _(warp):  # one producer warp: the named barriers count its 32 threads
+            pl.when(warp == 0)(stream)
 
 
 def check(spec: AttentionSpec, bs: BlockSizes) -> None:
@@ -625,8 +641,7 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, dropout_hash=None, 
         plgpu.Barrier(num_barriers=W),
         plgpu.Barrier(num_barriers=bs.num_stages),
         plgpu.Barrier(num_barriers=bs.num_stages),
-        plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages),
-        plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages),
+        *[None if bs.named_release else plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages)] * 2,
         plgpu.Barrier(num_barriers=W) if sink_rows is not None else None,
         plgpu.Barrier(num_barriers=W) if dropout_hash is not None else None,
         plgpu.Barrier(num_arrivals=W, num_barriers=bs.num_stages) if bias is not None else None,

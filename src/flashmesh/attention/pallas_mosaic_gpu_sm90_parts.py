@@ -8,6 +8,7 @@ Shape legend: rows query rows of a warpgroup, bkv keys per tile; WGMMA layouts t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -52,6 +53,31 @@ def named_barrier(operation: str, num_threads: int):
                         f"bar.{operation} $0, {num_threads};", "r", has_side_effects=True)
 
     return bar_op
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedRing:
+    """A K/V ring's release barriers as hardware named barriers (BlockSizes.named_release):
+    slot s is barrier first + s, over num_threads threads (the compute warpgroups, which
+    arrive, and the producer warp, which syncs)."""
+    first: int
+    num_threads: int
+
+
+def release(consumed, slot):
+    """A reader's release of ring slot `slot`: an mbarrier arrive, or bar.arrive (NamedRing)."""
+    if isinstance(consumed, NamedRing):
+        named_barrier("arrive", consumed.num_threads)(consumed.first + slot)
+    else:
+        plgpu.barrier_arrive(consumed.at[slot])
+
+
+def await_release(consumed, slot):
+    """The producer's wait for slot `slot`'s release: an mbarrier wait, or bar.sync."""
+    if isinstance(consumed, NamedRing):
+        named_barrier("sync", consumed.num_threads)(consumed.first + slot)
+    else:
+        plgpu.barrier_wait(consumed.at[slot])
 
 
 def fence_async_shared():
@@ -261,7 +287,7 @@ def stream_kv(refs, smems, ready, consumed, *, batch, kv_head, lo, hi, bkv: int,
         for ref, smem, arrived, released in zip(refs, smems, ready, consumed):
             @pl.when(reuse)
             def _():
-                plgpu.barrier_wait(released.at[slot])
+                await_release(released, slot)
 
             plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], arrived.at[slot])
         for issue in extra:
@@ -278,4 +304,4 @@ def drain_ring(consumed, issued, stages: int):
     @pl.loop(jnp.maximum(jnp.asarray(issued, jnp.int32) - stages, 0), issued)
     def _(c):
         for released in consumed:
-            plgpu.barrier_wait(released.at[lax.rem(c, jnp.int32(stages))])
+            await_release(released, lax.rem(c, jnp.int32(stages)))
