@@ -146,36 +146,21 @@ FWD_ALT = [dict(), dict(persistent=True, reuse_q_for_o=False), dict(intra_wg_ove
 def forward_alternated(q, k, v, window, out_ref):
     """`--fwd-alt`: FWD_ALT's configs over the table's, timed in alternated rounds."""
     from flashmesh.attention import pallas_mosaic_gpu_common as common
-    from flashmesh.bench.kernel_time import kernels_ms
 
     spec = sm90.spec_for(q, k, v, scale=q.shape[-1] ** -0.5, window=window)
     today = common.default_for(spec, jax.devices()[0].device_kind)
     print(f"  table's config: {today}", flush=True)
-    timed, seen = {}, set()
-    for cfg in FWD_ALT:
-        label = str(cfg or "table")
-        try:
-            bs = dataclasses.replace(today, **cfg).validate_for(spec)
-            if bs in seen:
-                print(f"  fwd {label}: the table's config or an earlier one's", flush=True)
-                continue
-            seen.add(bs)
-            f = jax.jit(lambda q, k, v, bs=bs: sm90.forward_spec(q, k, v, spec, block_sizes=bs)[0])
-            out = jax.block_until_ready(f(q, k, v))
-            err = float(jnp.linalg.norm((out - out_ref).astype(jnp.float32))
-                        / jnp.linalg.norm(out_ref.astype(jnp.float32)))
-            timed[label] = (f, err)
-        except Exception as e:  # a probe: report and go on
-            print(f"  fwd {label}: FAILED {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:400] if str(e) else ''}", flush=True)
-            traceback.print_exc(limit=3)
-    alternated_rounds(timed, (q, k, v), "fwd", "rel err vs cudnn")
-    for label, (f, _) in timed.items():
-        try:
-            print(f"  kernels {label}: " + ", ".join(f"{name[:60]} {ms:.3f}" for name, ms in
-                                                     kernels_ms(f, (q, k, v)).items()), flush=True)
-        except Exception as e:  # a probe: report and go on
-            print(f"  kernels {label}: FAILED {type(e).__name__}: {e}", flush=True)
+    seen = set()
+
+    def make(cfg):
+        bs = dataclasses.replace(today, **cfg).validate_for(spec)
+        if bs in seen:
+            return None  # the table's config or an earlier one's
+        seen.add(bs)
+        return jax.jit(lambda q, k, v: sm90.forward_spec(q, k, v, spec, block_sizes=bs)[0])
+
+    configs_alternated("fwd", [(str(cfg or "table"), cfg) for cfg in FWD_ALT], make, (q, k, v),
+                       out_ref)
 
 
 # BackwardBlockSizes fields per backward config; dict() is default_for's two-kernel backward.
@@ -313,28 +298,42 @@ def window_alone(q, k, v, window, out_ref):
     alternated rounds, each checked against cuDNN's output, then its kernel time."""
     from flashmesh.attention import pallas_mosaic_gpu_sm90_window as window_kernel
     from flashmesh.attention.pallas_mosaic_gpu_common import WindowBlockSizes
-    from flashmesh.bench.kernel_time import kernels_ms
 
     spec = sm90.spec_for(q, k, v, scale=q.shape[-1] ** -0.5, window=window)
+
+    def make(cfg):
+        bs = WindowBlockSizes(**cfg).validate_for(spec)
+        return jax.jit(lambda q, k, v: window_kernel.forward_spec(q, k, v, spec, block_sizes=bs)[0])
+
+    configs_alternated("window", [(str(cfg or "default"), cfg) for cfg in WINDOW_CONFIGS], make,
+                       (q, k, v), out_ref)
+
+
+def configs_alternated(what, labelled, make, args, out_ref):
+    """Forward configs [(label, cfg)]: make(cfg) -> a jitted f(*args) giving O (None: skip it),
+    each checked against cuDNN's out_ref, then timed in alternated rounds and its kernels listed."""
+    from flashmesh.bench.kernel_time import kernels_ms
+
     timed = {}
-    for cfg in WINDOW_CONFIGS:
-        label = str(cfg or "default")
+    for label, cfg in labelled:
         try:
-            bs = WindowBlockSizes(**cfg).validate_for(spec)
-            f = jax.jit(lambda q, k, v, bs=bs: window_kernel.forward_spec(q, k, v, spec, block_sizes=bs)[0])
-            out = jax.block_until_ready(f(q, k, v))
+            f = make(cfg)
+            if f is None:
+                print(f"  {what} {label}: the same config as an earlier one, not timed again", flush=True)
+                continue
+            out = jax.block_until_ready(f(*args))
             err = float(jnp.linalg.norm((out - out_ref).astype(jnp.float32))
                         / jnp.linalg.norm(out_ref.astype(jnp.float32)))
             timed[label] = (f, err)
         except Exception as e:  # a probe: report and go on
-            print(f"  window {label}: FAILED {type(e).__name__}: "
+            print(f"  {what} {label}: FAILED {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:400] if str(e) else ''}", flush=True)
             traceback.print_exc(limit=3)
-    alternated_rounds(timed, (q, k, v), "window", "rel err vs cudnn")
+    alternated_rounds(timed, args, what, "rel err vs cudnn")
     for label, (f, _) in timed.items():
         try:
             print(f"  kernels {label}: " + ", ".join(f"{name[:60]} {ms:.3f}" for name, ms in
-                                                     kernels_ms(f, (q, k, v)).items()), flush=True)
+                                                     kernels_ms(f, args).items()), flush=True)
         except Exception as e:  # a probe: report and go on
             print(f"  kernels {label}: FAILED {type(e).__name__}: {e}", flush=True)
 
