@@ -324,7 +324,6 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             plgpu.commit_smem()
             _dq_reduce(wg, q_tile, head)
 
-
         def pass_over(q_tile, carry, *, g):
             # a streamed tile outside this warpgroup's own range (wg_ranges): observe its
             # phase and release it, computing nothing
