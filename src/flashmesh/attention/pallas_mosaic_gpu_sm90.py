@@ -32,8 +32,8 @@ Schedule (BlockSizes fields, each selectable so the variants can be timed agains
   The grid is head-major (head, query tile, batch), so that the CTAs on the chip at once share
   a few heads' K/V in L2.
 * `persistent` (tokamax's and FA3's static persistent scheduler): a grid of one CTA per SM,
-  CTA c running tiles c, c + C, ... of (batch, head, query tile) in a loop; where tiles differ
-  in work (causal, segments) of (query tile, batch, head), longest first, in snake rounds
+  CTA c running tiles c, c + C, ... of (batch, head, query tile) in a loop; under a causal
+  mask, where tiles differ in work, of (query tile, batch, head), longest first, in snake rounds
   (`persistent_tiles`; FA3 uses a dynamic counter there), untimed for causal calls. The K/V ring's
   slots and barrier phases run on across tiles (`stream_kv`'s `issued`), so the memory
   warpgroup streams the next tile's keys under the last one's compute; with O in its own buffer
@@ -239,10 +239,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, hash_ref, bias_ref, tok_refs, out_ref
     splits = bs.num_splits
     wg = lax.axis_index("wg")
     if bs.persistent:  # CTA c takes the tiles c, c + C, c + 2C, ... of (batch, head, q tile);
-        # where tiles differ in work (one side unbounded: causal; segments) of (q tile, batch,
+        # under a causal mask (one side unbounded: tiles differ in work) of (q tile, batch,
         # head), longest first, in snake rounds (FA3 is persistent there with a dynamic LPT
-        # counter; the static snake order comes within 0.15% of the ideal in a model)
-        uneven = tok_refs is not None or (min(spec.window) < 0 <= max(spec.window))
+        # counter; the static snake order comes within 0.15% of the ideal in a model). Segments
+        # keep the (batch, head)-major order that unmasked calls with tables run by default.
+        uneven = min(spec.window) < 0 <= max(spec.window)
         num_local, coords = persistent_tiles(num_q_tiles, spec.num_heads, spec.batch,
                                              q_major=uneven, snake=uneven)
     else:  # one tile per CTA: grid (head, q tile [x split], batch)
