@@ -152,7 +152,7 @@ def persistent_tiles(num_q_tiles: int, num_heads: int, batch: int, *, q_major: b
     cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
     total = num_q_tiles * num_heads * batch
     if snake:  # full rounds, then this CTA's place in the last, partial one
-        last = total // num_ctas if isinstance(num_ctas, int) else lax.div(jnp.int32(total), num_ctas)
+        last = lax.div(jnp.int32(total), num_ctas)
         place = jnp.where(lax.rem(last, 2) == 1, num_ctas - 1 - cta, cta)
         num_local = last + (place < total - last * num_ctas).astype(jnp.int32)
     else:
