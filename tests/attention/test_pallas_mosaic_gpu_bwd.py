@@ -88,6 +88,10 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     # reach see no key, so a warpgroup of the last dQ tiles meets nothing
     Case("wg_ranges_fused_window_br_empty_rows", T=256, S=192, N=2, K=2, window=(60, 0),
          bottom_right=True, softmax="off_by_one", blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True)),
+    # the tuner's fused window candidate with overlap (d128, GQA), races on
+    Case("wg_ranges_fused_overlap_d128_window_gqa", T=256, S=256, N=2, K=1, Dqk=128, Dv=128,
+         window=(70, 0), blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True, overlap=True),
+         races=True),
     # persistent_dq: the interpreter's few CTAs each loop over several (batch, head, q tile)
     # tiles, the ring running on across them; with wg_ranges, tails and rows that see no key
     Case("persistent_dq_wg_ranges_window_tails_empty_rows", T=300, S=200, N=3, K=1, window=(40, 0),
@@ -213,6 +217,14 @@ GPU_CASES = [  # default tiles (3 stages, 2 warpgroups), many ring wraps; d256 a
     Case("gpu_wg_ranges_fused_d64_window_cap_learnable", T=1000, S=1100, N=4, K=4,
          window=(200, 30), cap=2.0, softmax="learnable",
          blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True)),
+    # the fused form on each warpgroup's own tiles at the window anchor's form (128:8 heads
+    # scaled down, window (128, 0)), without and with overlap (2026-12-07: the tuner's third
+    # and fourth window candidates)
+    Case("gpu_wg_ranges_fused_d128_window_gqa", T=1024, S=1024, N=16, K=1, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True)),
+    Case("gpu_wg_ranges_fused_overlap_d128_window_gqa_tails", T=1000, S=1000, N=16, K=1,
+         Dqk=128, Dv=128, window=(128, 0),
+         blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True, overlap=True)),
     # persistent_dq (written 2026-12-05 without a GPU): 132 CTAs over every tile
     Case("gpu_persistent_dq_wg_ranges_d128_window_gqa", T=1024, S=1024, N=16, K=1, Dqk=128,
          Dv=128, window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True)),
@@ -379,6 +391,8 @@ def test_backward_gpu(case):
          window=(128, 0), blocks=BBS(num_stages=3, overlap=True, wg_ranges=True)),
     Case("persistent_dq_wg_ranges_d128_window", T=512, S=512, N=4, K=1, Dqk=128, Dv=128,
          window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True)),
+    Case("wg_ranges_fused_overlap_d128_window", T=512, S=512, N=16, K=1, Dqk=128, Dv=128,
+         window=(128, 0), blocks=BBS(num_stages=2, fused_dq=True, wg_ranges=True, overlap=True)),
     Case("delta_in_dq_persistent_d128_window", T=512, S=512, N=4, K=1, Dqk=128, Dv=128,
          window=(128, 0), blocks=BBS(num_stages=2, wg_ranges=True, persistent_dq=True,
                                      delta_in_dq=True)),

@@ -139,12 +139,16 @@ def test_backward_candidates_start_with_todays_config_and_all_fit():
     assert not any(bs.delta_in_dq for bs in found if bs.fused_dq)
     assert not any(bs.dq_columns for bs in found)  # d64: half the columns is no whole swizzle tile
     assert not any(bs.wg_ranges for bs in found)  # causal: wg_ranges saves at most a step a head
+    d128_causal = tune_backward.candidates(tune.spec_of(ANCHORS["causal_8k_h32_d128"]))
     swa = tune_backward.candidates(tune.spec_of(ANCHORS["seed000_gqa_swa"]))
     twins = [swa[0]]  # today's config, then each flip of overlap, delta_in_dq, persistent_dq, wg_ranges
     for field in ("overlap", "delta_in_dq", "persistent_dq", "wg_ranges"):
         twins += [dataclasses.replace(c, **{field: not getattr(c, field)}) for c in twins]
-    assert swa[:16] == twins
-    assert not any(c.wg_ranges or c.persistent_dq for c in swa[16:])  # today's config's only
+    # the fused form on each warpgroup's own tiles, with and without overlap, third and fourth
+    fused = [bwd_tiles.BackwardBlockSizes(fused_dq=True, wg_ranges=True, overlap=o) for o in (False, True)]
+    assert swa[:18] == twins[:2] + fused + twins[2:]
+    assert not any(c.wg_ranges or c.persistent_dq for c in swa[18:])  # today's config's only
+    assert not any(c.wg_ranges for c in d128_causal if c.fused_dq)  # no window: no such candidate
     d128 = tune_backward.candidates(tune.spec_of(ANCHORS["full_4k_h16_d128"]))
     assert any(bs.dq_columns and bs.stagger_q for bs in d128) and any(bs.dq_columns and not bs.stagger_q for bs in d128)
     assert tune_backward.config_fields(bwd_tiles.BackwardBlockSizes(block_q=128, fused_dq=True)) == {

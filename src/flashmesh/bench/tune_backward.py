@@ -8,7 +8,8 @@ Per shape: `chunked`'s out and lse (what the backward kernels take from a forwar
 output cotangent, and `chunked`'s gradients as the check. Each candidate `BackwardBlockSizes` of `candidates(spec)`
 (the config the call gets today first, then a small grid: the two-kernel form over its query /
 key steps and stages, each config followed by its twin with the other `delta_in_dq`, today's config
-also with the other `overlap` and `persistent_dq` (and under a bounded window `wg_ranges`), the fused form over its query step and stages, each fused one also
+also with the other `overlap` and `persistent_dq` (and under a bounded window `wg_ranges`, with
+the fused form on each warpgroup's own tiles third), the fused form over its query step and stages, each fused one also
 staggered and with dQ split by columns, the fused ones without columns only where columns do
 not fit) is compiled, run once and checked (the largest relative L2 error of dq, dk, dv <=
 the forward's tolerance; a wrong or failing candidate is reported and never chosen), then all are timed
@@ -46,8 +47,12 @@ def config_fields(bs: bwd.BackwardBlockSizes) -> dict:
 def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
     """Valid backward configs for this call, the one it gets today first."""
     window = ("wg_ranges",) if spec.window[0] >= 0 else ()
-    found = _with_twins(bwd.default_for(spec), spec, ("overlap", "delta_in_dq", "persistent_dq",
+    twins = _with_twins(bwd.default_for(spec), spec, ("overlap", "delta_in_dq", "persistent_dq",
                                                       *window))
+    # under a bounded window the fused form on each warpgroup's own tiles comes third and
+    # fourth: five GEMMs a step instead of the two kernels' seven, never timed there before
+    fused = [c for c in _window_fused(spec) if c not in twins[:2]]
+    found = twins[:2] + fused + [c for c in twins[2:] if c not in fused]
     grid = itertools.product((False, True), GRID["block_q"], GRID["block_q_dq"], GRID["block_kv_dq"],
                              GRID["num_stages"])
     for fused, bq, bqdq, bkvdq, stages in grid:
@@ -63,6 +68,20 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
             if bs not in found and not _columns_fit(bs, spec):
                 found += [c for c in _with_twins(bs, spec, ("delta_in_dq",)) if c not in found]
     return found[:limit]
+
+
+def _window_fused(spec) -> list[bwd.BackwardBlockSizes]:
+    """Under a bounded window, the fused backward with `wg_ranges` (dQ by reduce-adds, each
+    warpgroup over the query tiles its own keys meet) and its `overlap` twin, where they fit;
+    none otherwise (dq_columns, the fused form's usual split, makes every warpgroup take every
+    step, so the grid below never pairs the fused form with wg_ranges)."""
+    if spec.window[0] < 0:
+        return []
+    try:
+        bs = bwd.BackwardBlockSizes(fused_dq=True, wg_ranges=True).validate_for(spec)
+    except ValueError:
+        return []
+    return _with_twins(bs, spec, ("overlap",))
 
 
 def _with_twins(bs: bwd.BackwardBlockSizes, spec, fields) -> list[bwd.BackwardBlockSizes]:
