@@ -16,7 +16,9 @@ BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-
 BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
 BWD_DELTA (delta_in_dq) the same way; `--bwd-fold`: BWD_FOLD (overlap, fold_stats, the fused form
 by columns, dq_writer, ds_sync) the same way; `--window`: the window kernel's WINDOW_CONFIGS
-(ping-pong off and on, block_kv, the Q ring) the same way, on the window shapes named. Each alternated mode also lists each config's kernels.
+(ping-pong off and on, block_kv, the Q ring) the same way, on the window shapes named;
+`--window-parts`: the table's window config with one stage left out at a time (WINDOW_PARTS:
+mask, exp2, P·V, the stores), timed the same way, for where its time goes. Each alternated mode also lists each config's kernels.
 `--fwd-alt`: FWD_ALT (persistent, intra_wg_overlap, on the table's forward config) the
 same way. `--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
 name meaning True), on top of today's config, so that a profiler's launch count finds it (the
@@ -309,6 +311,61 @@ def window_alone(q, k, v, window, out_ref):
                        (q, k, v), out_ref)
 
 
+# `--window-parts`: the table's window config with one stage of its per-head step left out
+# (diagnosis by difference, H200.md: no hardware counters there), each traced with one module
+# attribute replaced: the band mask, exp2, the P·V GEMM, the O and lse stores, and the first
+# three together (what is left: the S GEMM, the loads and the row statistics). The outputs of
+# all but the first are wrong by construction; only the times mean anything.
+WINDOW_PARTS = ["full", "no mask", "no exp2", "no P·V", "no O/lse store", "no mask, exp2, P·V"]
+
+
+class _Proxy:
+    """A module with some attributes replaced (the window kernel's jnp or plgpu)."""
+
+    def __init__(self, module, **replaced):
+        self._module, self._replaced = module, replaced
+
+    def __getattr__(self, name):
+        return self._replaced[name] if name in self._replaced else getattr(self._module, name)
+
+
+def window_parts(q, k, v, window, out_ref):
+    """`--window-parts`: WINDOW_PARTS, each compiled with its stage left out, alternated."""
+    import contextlib
+    from unittest import mock
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from flashmesh.attention import pallas_mosaic_gpu_common as common
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_parts as parts
+    from flashmesh.attention import pallas_mosaic_gpu_sm90_window as window_kernel
+
+    spec = sm90.spec_for(q, k, v, scale=q.shape[-1] ** -0.5, window=window)
+    bs = common.default_for(spec, jax.devices()[0].device_kind)
+    print(f"  table's config: {bs}", flush=True)
+    if not isinstance(bs, common.WindowBlockSizes):
+        print("  --window-parts: the table gives this call the general kernel; nothing to do")
+        return
+    left_out = {
+        "no mask": [mock.patch.object(parts, "band_mask", lambda s, *a, **kw: s)],
+        "no exp2": [mock.patch.object(window_kernel, "jnp", _Proxy(jnp, exp2=lambda x: x))],
+        "no P·V": [mock.patch.object(parts, "pv_from_registers", lambda acc, *a: acc)],
+        "no O/lse store": [mock.patch.object(window_kernel, "plgpu", _Proxy(
+            plgpu, copy_smem_to_gmem=lambda *a, **kw: None))],
+    }
+    left_out["no mask, exp2, P·V"] = left_out["no mask"] + left_out["no exp2"] + left_out["no P·V"]
+
+    def make(label):
+        with contextlib.ExitStack() as stack:
+            for patch in left_out.get(label, []):
+                stack.enter_context(patch)
+            return jax.jit(lambda q, k, v: window_kernel.forward_spec(
+                q, k, v, spec, block_sizes=bs)[0]).lower(q, k, v).compile()
+
+    configs_alternated("window part", [(label, label) for label in WINDOW_PARTS], make,
+                       (q, k, v), out_ref)
+
+
 def configs_alternated(what, labelled, make, args, out_ref):
     """Forward configs [(label, cfg)]: make(cfg) -> a jitted f(*args) giving O (None: skip it),
     each checked against cuDNN's out_ref, then timed in alternated rounds and its kernels listed."""
@@ -372,6 +429,9 @@ def main():
         print(f"{name}: cudnn {t_ref:.3f} ms", flush=True)
         if "--window" in sys.argv:
             window_alone(q, k, v, window, out_ref)
+            continue
+        if "--window-parts" in sys.argv:
+            window_parts(q, k, v, window, out_ref)
             continue
         if "--fwd-alt" in sys.argv:
             forward_alternated(q, k, v, window, out_ref)
