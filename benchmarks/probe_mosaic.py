@@ -18,7 +18,8 @@ BWD_DELTA (delta_in_dq) the same way; `--bwd-fold`: BWD_FOLD (overlap, fold_stat
 by columns, dq_writer, ds_sync) the same way; `--window`: the window kernel's WINDOW_CONFIGS
 (ping-pong off and on, block_kv, the Q ring) the same way, on the window shapes named;
 `--window-parts`: the table's window config with one stage left out at a time (WINDOW_PARTS:
-mask, exp2, P·V, the stores), timed the same way, for where its time goes. Each alternated mode also lists each config's kernels.
+mask, exp2, P·V, the stores), timed the same way, then with G, G / 2 and G / 4 query heads
+per group on the same grid (a line through them: the per-head and the fixed cost). Each alternated mode also lists each config's kernels.
 `--fwd-alt`: FWD_ALT (persistent, intra_wg_overlap, on the table's forward config) the
 same way. `--bwd-cfg=fused_dq+dq_columns+num_stages=2`: that one config alone (fields joined by `+`, a bare
 name meaning True), on top of today's config, so that a profiler's launch count finds it (the
@@ -32,6 +33,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import flashmesh
 from flashmesh.bench import timing
@@ -364,6 +366,25 @@ def window_parts(q, k, v, window, out_ref):
 
     configs_alternated("window part", [(label, label) for label in WINDOW_PARTS], make,
                        (q, k, v), out_ref)
+    # The same grid with G, G / 2 and G / 4 query heads per key/value head: a line through
+    # the times gives the per-head cost and, at G = 0, the fixed cost of the grid's CTAs
+    # (K/V band loads, the first Q's wait, the last stores' drain, the waves' tails).
+    G, times = spec.group_size, {}
+    for div in (1, 2, 4):
+        qd = q[:, :, :q.shape[2] // div]
+        try:
+            spec_d = sm90.spec_for(qd, k, v, scale=q.shape[-1] ** -0.5, window=window)
+            bs_d = bs.validate_for(spec_d)
+            f = jax.jit(lambda q, k, v, spec_d=spec_d, bs_d=bs_d: window_kernel.forward_spec(
+                q, k, v, spec_d, block_sizes=bs_d)[0])
+            times[G // div] = min(back_to_back(f, qd, k, v) for _ in range(3))
+            print(f"  window heads per group {G // div}: {times[G // div]:.3f} ms", flush=True)
+        except Exception as e:  # a probe: report and go on
+            print(f"  window heads per group {G // div}: FAILED {type(e).__name__}: {e}", flush=True)
+    if len(times) >= 2:
+        slope, intercept = np.polyfit(list(times), list(times.values()), 1)
+        print(f"  window fit: {slope * 1e3:.2f} us per head per group, fixed {intercept:.3f} ms "
+              f"({intercept / times.get(G, max(times.values())):.0%} of the full call)", flush=True)
 
 
 def configs_alternated(what, labelled, make, args, out_ref):
