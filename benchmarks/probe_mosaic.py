@@ -291,10 +291,12 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
                 print(f"  kernels {label}: FAILED {type(e).__name__}: {e}", flush=True)
 
 
-# `--window`: the window kernel's WindowBlockSizes, alternated in 3 rounds (ping-pong off / on)
+# `--window`: the window kernel's WindowBlockSizes, alternated in 3 rounds (ping-pong off / on,
+# the band's tiles, the Q ring, overlap_heads)
 WINDOW_CONFIGS = [dict(), dict(pingpong=True), dict(block_kv=128), dict(block_kv=128, pingpong=True),
                   dict(q_buffers=3, q_ahead=1), dict(q_buffers=4), dict(q_buffers=4, q_ahead=2),
-                  dict(pingpong=True, q_buffers=4, q_ahead=2)]
+                  dict(pingpong=True, q_buffers=4, q_ahead=2), dict(overlap_heads=True),
+                  dict(q_buffers=4, q_ahead=2, overlap_heads=True)]
 
 
 def window_alone(q, k, v, window, out_ref):

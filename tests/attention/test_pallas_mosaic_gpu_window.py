@@ -69,6 +69,14 @@ CASES = [
     # past T = 200, the band's keys past S = 136 zeros from TMA, O's rows past T dropped
     (Case("tma_tails_two_sided_learnable", T=200, S=136, N=2, K=1, window=(40, 10),
           softmax="learnable"), WindowBlockSizes(num_compute_wgs=1, tma_tails=True)),
+    # overlap_heads: head t's P·V with head t + 1's S (in turn in the interpreter, the same
+    # ring, loads and stores): seven heads in a 4-slot ring two ahead, a learnable sink; two
+    # warpgroups of one head each (no overlapped step); races on
+    (Case("q_ring_overlap_heads_seven_ahead_2_learnable", T=70, S=70, N=7, K=1, window=(40, 0),
+          softmax="learnable"), WindowBlockSizes(num_compute_wgs=1, q_buffers=4, q_ahead=2,
+                                                 overlap_heads=True)),
+    (Case("q_ring_overlap_heads_one_head_each_cap", T=64, S=80, N=2, K=1, window=(20, 5), cap=2.0),
+     WindowBlockSizes(overlap_heads=True)),
 ]
 GPU_CASES = [
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -91,6 +99,12 @@ GPU_CASES = [
     # tma_tails (written 2026-12-06 without a GPU): in place, then off the multiples of 8
     (Case("w128_tma_tails", T=1000, S=1000, N=16, K=1, Dqk=128, Dv=128, window=(128, 0)),
      WindowBlockSizes(tma_tails=True)),
+    # overlap_heads (written 2026-12-07 without a GPU): the anchor's form with the table's ring,
+    # then tails, a two-sided window and a sink with O in slots of its own (Dv != Dqk)
+    (Case("seed_heads_w128_overlap_heads_q_ring_4_ahead_2", T=4096, S=4096, N=16, K=1, Dqk=128,
+          Dv=128, window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, overlap_heads=True)),
+    (Case("overlap_heads_two_sided_mla_learnable_tails", T=1000, S=1000, N=8, K=2, Dqk=128, Dv=64,
+          window=(100, 30), softmax="learnable"), WindowBlockSizes(overlap_heads=True)),
     (Case("w128_tma_tails_odd_padded", T=999, S=999, N=16, K=1, Dqk=128, Dv=128,
           window=(128, 0)), WindowBlockSizes(tma_tails=True, pingpong=True)),
 ]
@@ -174,6 +188,8 @@ def test_gradients_through_the_backend_interpret(interpreter):
     (1000, 4, 2, 128, 64, (64, 0), "learnable", 5.0, True, 3),  # O in slots of its own
     (512, 2, 1, 64, 64, (64, 64), "off_by_one", None, False, 2),
     (1000, 16, 1, 128, 128, (128, 0), "vanilla", None, False, "tma_tails"),  # T, S in place
+    (4096, 16, 1, 128, 128, (128, 0), "vanilla", None, "overlap_heads", (4, 2)),
+    (1000, 4, 2, 128, 64, (64, 0), "learnable", 5.0, "overlap_heads", 3),
 ])
 def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_buffers):
     from jax.experimental.mosaic.gpu import core as mosaic_core
@@ -185,7 +201,9 @@ def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_b
     spec = sm90.spec_for(q, k, v, scale=0.1, window=win, softmax=softmax, logits_soft_cap=cap)
     tails = q_buffers == "tma_tails"
     nq, ahead = q_buffers if isinstance(q_buffers, tuple) else (2 if tails else q_buffers, None)
-    bs = WindowBlockSizes(pingpong=pingpong, q_buffers=nq, q_ahead=ahead, tma_tails=tails)
+    overlap = pingpong == "overlap_heads"  # (the ping-pong's column: off with the overlap)
+    bs = WindowBlockSizes(pingpong=pingpong is True, q_buffers=nq, q_ahead=ahead, tma_tails=tails,
+                          overlap_heads=overlap)
 
     def lower():
         f = jax.jit(lambda q, k, v, s: window.forward_spec(q, k, v, spec, sink=s, block_sizes=bs))
@@ -233,6 +251,8 @@ def test_where_it_applies_and_is_chosen():
         WindowBlockSizes(num_compute_wgs=1, pingpong=True)
     with pytest.raises(ValueError, match="pingpong must be a bool"):
         WindowBlockSizes(pingpong=1)
+    with pytest.raises(ValueError, match="overlap_heads=True needs pingpong=False"):
+        WindowBlockSizes(pingpong=True, overlap_heads=True)
     with pytest.raises(ValueError, match="q_buffers=5 must be 2, 3 or 4"):
         WindowBlockSizes(q_buffers=5)
     assert WindowBlockSizes(q_buffers=4).ahead == 3 and WindowBlockSizes().ahead == 1

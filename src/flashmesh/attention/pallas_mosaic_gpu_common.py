@@ -454,7 +454,11 @@ class WindowBlockSizes:
     head's O has just left waits for that O's store to read it; q_ahead = q_buffers - 2 loads
     into the slot of the head before it, whose store has had a head's time to finish.
     tma_tails: as `BlockSizes.tma_tails` (Q, K, V read and O written in place where the length
-    is a multiple of 8; on by default)."""
+    is a multiple of 8; on by default). overlap_heads: on a GPU each warpgroup issues head t's
+    P·V and head t + 1's S = Q Kᵀ back to back, waits for P·V only, and normalises and stores
+    O_t while S_{t+1} runs (FA3's intra-warpgroup overlap, across heads: the band's softmax is
+    exact, so a head has one S); the interpreter runs the two GEMMs in turn. Not with
+    pingpong (its turns are per GEMM). Off by default until a GPU has timed it."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
@@ -462,18 +466,22 @@ class WindowBlockSizes:
     q_buffers: int = 2
     q_ahead: int | None = None
     tma_tails: bool = True
+    overlap_heads: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
             raise ValueError(f"WindowBlockSizes.block_kv={self.block_kv!r} must be 64 or 128")
         if self.num_compute_wgs not in (1, 2):
             raise ValueError(f"WindowBlockSizes.num_compute_wgs={self.num_compute_wgs!r} must be 1 or 2")
-        for name in ("pingpong", "tma_tails"):
+        for name in ("pingpong", "tma_tails", "overlap_heads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"WindowBlockSizes.{name} must be a bool, got {getattr(self, name)!r}")
         if self.pingpong and self.num_compute_wgs < 2:
             raise ValueError(f"WindowBlockSizes.pingpong=True needs num_compute_wgs=2, got "
                              f"{self.num_compute_wgs}")
+        if self.pingpong and self.overlap_heads:
+            raise ValueError("WindowBlockSizes.overlap_heads=True needs pingpong=False (the "
+                             "ping-pong's turns are per GEMM)")
         if self.q_buffers not in (2, 3, 4):
             raise ValueError(f"WindowBlockSizes.q_buffers={self.q_buffers!r} must be 2, 3 or 4")
         if self.q_ahead is not None and (not isinstance(self.q_ahead, int)

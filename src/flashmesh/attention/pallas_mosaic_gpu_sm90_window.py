@@ -131,28 +131,23 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     def turn_signal(skip=None):
         turn("arrive", base + lax.rem(wg + 1, W), skip)
 
-    def one_head(t, carry):
-        buf = lax.rem(t, nq)
-        head = head_of(t)
+    def wait_q(t):
+        plgpu.barrier_wait(q_ready.at[wg * nq + lax.rem(t, nq)])
 
-        plgpu.barrier_wait(q_ready.at[wg * nq + buf])
+    def issue_s(s_ref, t):
+        plgpu.wgmma(s_ref, q_smem.at[wg, lax.rem(t, nq)], k_smem.transpose((1, 0)))
 
-        def qk(s_ref):
-            turn_wait(skip=(t == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
-            plgpu.wgmma(s_ref, q_smem.at[wg, buf], k_smem.transpose((1, 0)))
-            turn_signal()
-            return s_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
-
+    def load_ahead(t):
         # Head t + ahead's Q into the slot of head t + ahead - nq, once that head's O is out
-        # (after this head's S GEMM: the last head's O store had that GEMM to finish). The
+        # (called after head t's S GEMM: the last head's O store had that GEMM to finish). The
         # heads between issued two stores each (O, lse), which may still be reading.
         @pl.when(t + ahead < heads)
         def _():
             plgpu.wait_smem_to_gmem(2 * (nq - 1 - ahead), wait_read_only=True)
             load_q(t + ahead, lax.rem(t + ahead, nq))
 
+    def softmax(t, s):
+        """Head t's P (16-bit), row max (0 for a row with no key) and row sum from its S."""
         if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
             e = jnp.exp2(s * (2.0 * parts.LOG2E * spec.scale / cap))
             s = (1.0 - 2.0 / (e + 1.0)) * (cap * parts.LOG2E)
@@ -165,7 +160,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         m = s.max(axis=1) * scale2 if fold else s.max(axis=1)
         row = plgpu.Layout.WGMMA.reduce(1)
         if spec.softmax != "vanilla":  # the sink is one more logit z with no value
-            z = 0.0 if sink_ref is None else sink_ref[head] * parts.LOG2E
+            z = 0.0 if sink_ref is None else sink_ref[head_of(t)] * parts.LOG2E
             z = plgpu.layout_cast(jnp.full((ROWS,), z, jnp.float32), row)
             m = jnp.maximum(m, z)
         m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a row with no key: exact zeros, no NaN
@@ -174,12 +169,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         l = p.sum(axis=1)
         if spec.softmax != "vanilla":
             l = l + jnp.exp2(z - m_safe)
-        acc = plgpu.layout_cast(jnp.zeros((ROWS, spec.v_dim), jnp.float32), plgpu.Layout.WGMMA)
-        p_wg = None if p_smem is None else p_smem.at[wg]
-        pl.when(t == 0)(lambda: plgpu.barrier_wait(kv_ready.at[1]))  # V, once
-        turn_wait()
-        last = (t + 1 == heads) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
-        acc = pv(acc, p.astype(dtype), v_smem, p_wg, lambda: turn_signal(skip=last))
+        return p.astype(dtype), m_safe, l
+
+    def finish(t, acc, m_safe, l):
+        """Head t's O = acc / l and lse into its slot (Q's, whose S is done), then to memory."""
+        buf, head = lax.rem(t, nq), head_of(t)
         seen = l > 0.0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         o = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
@@ -191,9 +185,73 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg, buf], out_ref.at[batch, pl.ds(row0, ROWS), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg, buf], lse_ref.at[batch, head, pl.ds(row0, ROWS)])
+
+    def zeros(columns):
+        return plgpu.layout_cast(jnp.zeros((ROWS, columns), jnp.float32), plgpu.Layout.WGMMA)
+
+    def s_of(t, signal=lambda: None):
+        """Head t's S, issued and awaited alone."""
+        def qk(s_ref):
+            issue_s(s_ref, t)
+            signal()
+            return s_ref[...]
+
+        return pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
+
+    def wait_v(t):  # V, once, before head 0's P·V
+        if isinstance(t, int):
+            if t == 0:
+                plgpu.barrier_wait(kv_ready.at[1])
+        else:
+            pl.when(t == 0)(lambda: plgpu.barrier_wait(kv_ready.at[1]))
+
+    def one_head(t, carry):
+        wait_q(t)
+        turn_wait(skip=(t == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
+        s = s_of(t, turn_signal)
+        load_ahead(t)
+        p16, m_safe, l = softmax(t, s)
+        p_wg = None if p_smem is None else p_smem.at[wg]
+        wait_v(t)
+        turn_wait()
+        last = (t + 1 == heads) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
+        acc = pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: turn_signal(skip=last))
+        finish(t, acc, m_safe, l)
         return carry
 
-    lax.fori_loop(0, heads, one_head, 0)
+    def overlapped_head(t, s):
+        """Head t from its S: P·V_t and S_{t+1} in flight together, O_t written under S_{t+1}
+        (the interpreter: P·V through SMEM, O_t, then S_{t+1}); returns S_{t+1}."""
+        p16, m_safe, l = softmax(t, s)
+        wait_v(t)
+        wait_q(t + 1)
+        if interpret:
+            finish(t, parts.pv_from_smem(zeros(spec.v_dim), p16, v_smem, p_smem.at[wg], lambda: None),
+                   m_safe, l)
+            s = s_of(t + 1)
+        else:
+            def pair(refs):
+                o_ref, s_ref = refs
+                plgpu.wgmma(o_ref, p16, v_smem)
+                issue_s(s_ref, t + 1)
+                finish(t, plgpu.wgmma_accumulator_load(o_ref, wait_n=1), m_safe, l)
+
+            _, s = pl.run_state(pair)((plgpu.ACC.init(zeros(spec.v_dim)), plgpu.ACC.init(zeros(band))))
+        load_ahead(t + 1)
+        return s
+
+    if bs.overlap_heads:
+        wait_q(0)
+        s = s_of(0)
+        load_ahead(0)
+        s = lax.fori_loop(0, heads - 1, overlapped_head, s)
+        last = heads - 1
+        p16, m_safe, l = softmax(last, s)
+        wait_v(last)
+        finish(last, pv(zeros(spec.v_dim), p16, v_smem, None if p_smem is None else p_smem.at[wg],
+                         lambda: None), m_safe, l)
+    else:
+        lax.fori_loop(0, heads, one_head, 0)
     plgpu.wait_smem_to_gmem(0)
 
 
