@@ -66,6 +66,11 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
          blocks=ONE_WG),
     Case("mla_f16_single_stage", N=1, K=1, Dqk=128, Dv=64, window=(-1, 0), dtype="float16",
          blocks=dataclasses.replace(ONE_WG, num_stages=1), races=True),
+    # two compute warpgroups on one stage at d128 (ran on the H200 on 2026-12-02, the fused
+    # form). Outside this suite's 8 CPU devices the interpreter can deadlock on it with 2 CPUs:
+    # XLA's host-callback threads, sized by the CPUs (NPROC overrides), all blocked in waits
+    Case("single_stage_two_wgs_d128_fused", T=128, S=128, N=1, K=1, Dqk=128, Dv=128,
+         blocks=BBS(num_stages=1, fused_dq=True)),
     # one fused kernel (dQ += dS K inside the dK/dV kernel, five GEMMs): 4 x 4 causal tiles,
     # G = 2 heads per CTA; then 2 warpgroups, tails, a cap and a learnable sink
     Case("fused_dq_causal_gqa", T=256, S=256, N=2, K=1, window=(-1, 0),
