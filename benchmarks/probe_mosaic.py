@@ -295,7 +295,7 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
 # the band's tiles, the Q ring, overlap_heads)
 WINDOW_CONFIGS = [dict(), dict(pingpong=True), dict(block_kv=128), dict(block_kv=128, pingpong=True),
                   dict(q_buffers=3, q_ahead=1), dict(q_buffers=4), dict(q_buffers=4, q_ahead=2),
-                  dict(pingpong=True, q_buffers=4, q_ahead=2), dict(overlap_heads=True),
+                  dict(pingpong=True, q_buffers=4, q_ahead=2), dict(q_buffers=3, q_ahead=1, overlap_heads=True),
                   dict(q_buffers=4, q_ahead=2, overlap_heads=True)]
 
 

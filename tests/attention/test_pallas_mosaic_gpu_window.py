@@ -77,6 +77,8 @@ CASES = [
                                                  overlap_heads=True)),
     (Case("q_ring_overlap_heads_one_head_each_cap", T=64, S=80, N=2, K=1, window=(20, 5), cap=2.0),
      WindowBlockSizes(overlap_heads=True)),
+    (Case("q_ring_overlap_heads_two_wgs_three_heads_mla_off_by_one", T=100, S=100, N=6, K=1, Dqk=64,
+          Dv=32, window=(40, 0), softmax="off_by_one"), WindowBlockSizes(overlap_heads=True)),
 ]
 GPU_CASES = [
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -104,7 +106,7 @@ GPU_CASES = [
     (Case("seed_heads_w128_overlap_heads_q_ring_4_ahead_2", T=4096, S=4096, N=16, K=1, Dqk=128,
           Dv=128, window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, overlap_heads=True)),
     (Case("overlap_heads_two_sided_mla_learnable_tails", T=1000, S=1000, N=8, K=2, Dqk=128, Dv=64,
-          window=(100, 30), softmax="learnable"), WindowBlockSizes(overlap_heads=True)),
+          window=(40, 10), softmax="learnable"), WindowBlockSizes(overlap_heads=True)),
     (Case("w128_tma_tails_odd_padded", T=999, S=999, N=16, K=1, Dqk=128, Dv=128,
           window=(128, 0)), WindowBlockSizes(tma_tails=True, pingpong=True)),
 ]
@@ -253,6 +255,12 @@ def test_where_it_applies_and_is_chosen():
         WindowBlockSizes(pingpong=1)
     with pytest.raises(ValueError, match="overlap_heads=True needs pingpong=False"):
         WindowBlockSizes(pingpong=True, overlap_heads=True)
+    # overlap_heads holds S, O and P at once: 208 registers a thread at the seed's band of
+    # 192 keys, 256 (refused) at a band of 256
+    assert WindowBlockSizes(overlap_heads=True).overlap_registers(seed) == 208
+    assert common.window_reason(seed, WindowBlockSizes(overlap_heads=True)) is None
+    assert "need 256 registers a thread, above 216" in common.window_reason(
+        seed, WindowBlockSizes(block_kv=128, overlap_heads=True))
     with pytest.raises(ValueError, match="q_buffers=5 must be 2, 3 or 4"):
         WindowBlockSizes(q_buffers=5)
     assert WindowBlockSizes(q_buffers=4).ahead == 3 and WindowBlockSizes().ahead == 1

@@ -439,6 +439,7 @@ def smem_tile(shape, dtype):
 
 WINDOW_ROWS = WGMMA_M  # query positions per block of the window kernel: one WGMMA M
 WINDOW_MAX_BAND = 256  # keys in its S = Q Kᵀ: WGMMA's largest N
+WINDOW_OVERLAP_REGISTERS = 216  # overlap_heads' accumulators a thread may hold (an estimate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,7 +459,10 @@ class WindowBlockSizes:
     P·V and head t + 1's S = Q Kᵀ back to back, waits for P·V only, and normalises and stores
     O_t while S_{t+1} runs (FA3's intra-warpgroup overlap, across heads: the band's softmax is
     exact, so a head has one S); the interpreter runs the two GEMMs in turn. Not with
-    pingpong (its turns are per GEMM). Off by default until a GPU has timed it."""
+    pingpong (its turns are per GEMM), nor where S, O and P together exceed
+    WINDOW_OVERLAP_REGISTERS a thread (`overlap_registers`: 208 at a band of 192 keys and
+    v_dim 128). With 2 Q slots the next-but-one head's load waits for O_t's store: pair it
+    with q_ahead <= q_buffers - 2. Off by default until a GPU has timed it."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
@@ -510,6 +514,12 @@ class WindowBlockSizes:
             raise NotImplementedError(f"the window kernel cannot run this call: {why}")
         return self
 
+    def overlap_registers(self, spec: AttentionSpec) -> int:
+        """Accumulator-class registers a thread holds at overlap_heads' issue point: S (64 x band
+        float32), O (64 x v_dim float32) and the 16-bit P, each spread over 128 threads."""
+        band = self.band_tiles(spec) * self.block_kv
+        return (WINDOW_ROWS * band * 4 + WINDOW_ROWS * spec.v_dim * 4 + WINDOW_ROWS * band * 2) // (4 * WARPGROUP)
+
     def smem_bytes(self, spec: AttentionSpec) -> int:
         """Shared memory as Mosaic GPU counts it: the K and V band, q_buffers Q buffers (O staged
         there when Dqk == Dv, else as many O buffers) and lse rows per warpgroup, P for the
@@ -543,6 +553,10 @@ def window_reason(spec: AttentionSpec, bs: "WindowBlockSizes | None" = None) -> 
     if spec.group_size % bs.num_compute_wgs:
         return (f"{spec.group_size} query heads per kv head is not a multiple of "
                 f"num_compute_wgs={bs.num_compute_wgs}")
+    if bs.overlap_heads and (regs := bs.overlap_registers(spec)) > WINDOW_OVERLAP_REGISTERS:
+        return (f"overlap_heads: S ({band} keys), O (v_dim={spec.v_dim}) and P in flight "
+                f"together need {regs} registers a thread, above {WINDOW_OVERLAP_REGISTERS} "
+                f"(255 less ~40 for addresses and scalars); use overlap_heads=False")
     if (smem := bs.smem_bytes(spec)) > SMEM_BYTES:
         return f"needs {smem} bytes of shared memory, at most {SMEM_BYTES}"
     return None

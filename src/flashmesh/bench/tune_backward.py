@@ -55,10 +55,10 @@ def candidates(spec, limit: int | None = None) -> list[bwd.BackwardBlockSizes]:
     found = twins[:2] + fused + [c for c in twins[2:] if c not in fused]
     grid = itertools.product((False, True), GRID["block_q"], GRID["block_q_dq"], GRID["block_kv_dq"],
                              GRID["num_stages"])
-    for fused, bq, bqdq, bkvdq, stages in grid:
+    for one_kernel, bq, bqdq, bkvdq, stages in grid:
         # the fused kernel has no dQ kernel: its dQ steps are not varied
         extra = [dict(fused_dq=True, stagger_q=stagger, dq_columns=columns)
-                 for columns in (False, True) for stagger in (False, True)] if fused else [
+                 for columns in (False, True) for stagger in (False, True)] if one_kernel else [
             dict(block_q_dq=bqdq, block_kv_dq=bkvdq)]
         for fields in extra:
             try:
