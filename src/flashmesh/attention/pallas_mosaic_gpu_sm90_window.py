@@ -147,8 +147,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
             load_q(t + ahead, lax.rem(t + ahead, nq))
 
     def softmax(t, s):
-        """Head t's P (16-bit), 1 / row sum and lse from its S (the row statistics before the
-        P·V GEMM, so nothing but O's scaling runs beside a GEMM in flight)."""
+        """Head t's P (16-bit), row max (0 for a row with no key) and row sum from its S."""
         if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
             e = jnp.exp2(s * (2.0 * parts.LOG2E * spec.scale / cap))
             s = (1.0 - 2.0 / (e + 1.0)) * (cap * parts.LOG2E)
@@ -170,11 +169,15 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         l = p.sum(axis=1)
         if spec.softmax != "vanilla":
             l = l + jnp.exp2(z - m_safe)
+        return p.astype(dtype), m_safe, l
+
+    def stats(m_safe, l):
+        """1 / row sum (0 for a row with no key) and lse."""
         seen = l > 0.0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         lse = jnp.where(seen, (m_safe + jnp.log(jnp.where(seen, l, 1.0)) * parts.LOG2E) * parts.LN2,
                         EMPTY_ROW_LSE)
-        return p.astype(dtype), inv, lse
+        return inv, lse
 
     def finish(t, acc, inv, lse):
         """Head t's O = acc / l and lse into its slot (Q's, whose S is done), then to memory."""
@@ -211,20 +214,22 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         turn_wait(skip=(t == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
         s = s_of(t, turn_signal)
         load_ahead(t)
-        p16, inv, lse = softmax(t, s)
+        p16, m_safe, l = softmax(t, s)
         p_wg = None if p_smem is None else p_smem.at[wg]
         wait_v(t)
         turn_wait()
         last = (t + 1 == heads) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
         acc = pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: turn_signal(skip=last))
-        finish(t, acc, inv, lse)
+        finish(t, acc, *stats(m_safe, l))
         return carry
 
     def overlapped_head(t, s):
         """Head t from its S: P·V_t and S_{t+1} in flight together, O_t written under S_{t+1}
         (the interpreter: P·V through SMEM, O_t, then S_{t+1}); returns S_{t+1}. Q_{t+1} is
-        awaited after P·V's issue, so a late load holds back only S."""
-        p16, inv, lse = softmax(t, s)
+        awaited after P·V's issue, so a late load holds back only S; the row statistics are
+        taken before the GEMMs, so only O's scaling and stores run beside S in flight."""
+        p16, m_safe, l = softmax(t, s)
+        inv, lse = stats(m_safe, l)
         wait_v(t)
         if interpret:
             finish(t, parts.pv_from_smem(zeros(spec.v_dim), p16, v_smem, p_smem.at[wg], lambda: None),
@@ -249,10 +254,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         load_ahead(0)
         s = lax.fori_loop(0, heads - 1, overlapped_head, s)
         last = heads - 1
-        p16, inv, lse = softmax(last, s)
+        p16, m_safe, l = softmax(last, s)
         wait_v(last)
         finish(last, pv(zeros(spec.v_dim), p16, v_smem, None if p_smem is None else p_smem.at[wg],
-                         lambda: None), inv, lse)
+                         lambda: None), *stats(m_safe, l))
     else:
         lax.fori_loop(0, heads, one_head, 0)
     plgpu.wait_smem_to_gmem(0)
