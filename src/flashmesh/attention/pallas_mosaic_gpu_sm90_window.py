@@ -190,6 +190,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         plgpu.copy_smem_to_gmem(o_smem.at[wg, buf], out_ref.at[batch, pl.ds(row0, ROWS), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg, buf], lse_ref.at[batch, head, pl.ds(row0, ROWS)])
 
+    p_wg = None if p_smem is None else p_smem.at[wg]  # P for P·V in the interpreter
+
     def zeros(columns):
         return plgpu.layout_cast(jnp.zeros((ROWS, columns), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -215,7 +217,6 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         s = s_of(t, turn_signal)
         load_ahead(t)
         p16, m_safe, l = softmax(t, s)
-        p_wg = None if p_smem is None else p_smem.at[wg]
         wait_v(t)
         turn_wait()
         last = (t + 1 == heads) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
@@ -232,7 +233,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         inv, lse = stats(m_safe, l)
         wait_v(t)
         if interpret:
-            finish(t, parts.pv_from_smem(zeros(spec.v_dim), p16, v_smem, p_smem.at[wg], lambda: None),
+            finish(t, parts.pv_from_smem(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: None),
                    inv, lse)
             wait_q(t + 1)
             s = s_of(t + 1)
@@ -256,8 +257,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         last = heads - 1
         p16, m_safe, l = softmax(last, s)
         wait_v(last)
-        finish(last, pv(zeros(spec.v_dim), p16, v_smem, None if p_smem is None else p_smem.at[wg],
-                         lambda: None), *stats(m_safe, l))
+        finish(last, pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: None), *stats(m_safe, l))
     else:
         lax.fori_loop(0, heads, one_head, 0)
     plgpu.wait_smem_to_gmem(0)
