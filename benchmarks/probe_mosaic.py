@@ -16,7 +16,7 @@ BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-
 BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
 BWD_DELTA (delta_in_dq) the same way; `--bwd-fold`: BWD_FOLD (overlap, fold_stats, the fused form
 by columns, dq_writer, ds_sync) the same way; `--window`: the window kernel's WINDOW_CONFIGS
-(ping-pong off and on, block_kv, the Q ring) the same way, on the window shapes named;
+(ping-pong off and on, block_kv, the Q ring, overlap_heads, persistent) the same way, on the window shapes named;
 `--window-parts`: the table's window config with one stage left out at a time (WINDOW_PARTS:
 mask, exp2, P·V, the stores), timed the same way, then with G, G / 2 and G / 4 query heads
 per group on the same grid (a line through them: the per-head and the fixed cost). Each alternated mode also lists each config's kernels.
@@ -296,7 +296,9 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
 WINDOW_CONFIGS = [dict(), dict(pingpong=True), dict(block_kv=128), dict(block_kv=128, pingpong=True),
                   dict(q_buffers=3, q_ahead=1), dict(q_buffers=4), dict(q_buffers=4, q_ahead=2),
                   dict(pingpong=True, q_buffers=4, q_ahead=2), dict(q_buffers=3, q_ahead=1, overlap_heads=True),
-                  dict(q_buffers=4, q_ahead=2, overlap_heads=True)]
+                  dict(q_buffers=4, q_ahead=2, overlap_heads=True), dict(q_buffers=4, q_ahead=2, persistent=True),
+                  dict(q_buffers=4, q_ahead=2, overlap_heads=True, persistent=True),
+                  dict(pingpong=True, q_buffers=4, q_ahead=2, persistent=True)]
 
 
 def window_alone(q, k, v, window, out_ref):

@@ -11,7 +11,8 @@ the off-by-one sink with the soft cap and a 4-tile band, and bottom-right T > S 
 narrow window, where whole query blocks see no key (out 0, lse EMPTY_ROW_LSE); ping-pong with
 two heads and with one head per warpgroup (a hang in the interpreter if the turns unbalance);
 rings of three and four Q slots (`q_buffers`, `q_ahead`) that the heads go round more than
-once, with the interpreter's race detector on. Gradients
+once, with the interpreter's race detector on; the persistent grid (runs of items crossing kv
+heads, the band's tile ring, the Q ring across items), races on. Gradients
 go through the registered backend (window forward, general backward) once.
 
 Tolerance: the forward tests' FlashAttention rule (semantics.assert_fa_rule); lse 1e-4.
@@ -79,6 +80,21 @@ CASES = [
      WindowBlockSizes(overlap_heads=True)),
     (Case("q_ring_overlap_heads_two_wgs_three_heads_mla_off_by_one", T=100, S=100, N=6, K=1, Dqk=64,
           Dv=32, window=(40, 0), softmax="off_by_one"), WindowBlockSizes(overlap_heads=True)),
+    # persistent (3 CTAs in the interpreter, races on): 8 items (4 blocks, 2 kv heads) in runs
+    # of 2, 3, 3, one crossing kv heads; the band's 64-key tiles a ring the next block refills
+    # one slot of; kv heads switching where the next band holds the same tiles (all reloaded);
+    # a 4-slot ring two ahead running on across items with a sink and T != S; the overlap; the
+    # ping-pong with whole blocks that see no key
+    (Case("persistent_gqa_two_wgs_crossing_kv_heads", T=200, S=200, N=4, K=2, window=(100, 0)),
+     WindowBlockSizes(persistent=True)),
+    (Case("persistent_kv_heads_switch_same_band", T=128, S=128, N=8, K=4, window=(100, 0)),
+     WindowBlockSizes(persistent=True)),
+    (Case("persistent_q_ring_4_ahead_2_two_sided_learnable", T=150, S=230, N=6, K=2, window=(30, 20),
+          softmax="learnable"), WindowBlockSizes(num_compute_wgs=1, q_buffers=4, q_ahead=2, persistent=True)),
+    (Case("persistent_overlap_heads", T=200, S=200, N=6, K=2, window=(64, 0)),
+     WindowBlockSizes(num_compute_wgs=1, q_buffers=3, overlap_heads=True, persistent=True)),
+    (Case("persistent_pingpong_empty_blocks", T=256, S=64, N=4, K=2, window=(8, 0), bottom_right=True),
+     WindowBlockSizes(pingpong=True, persistent=True)),
 ]
 GPU_CASES = [
     # run in the interpreter before the H200 passed them (2026-12-01); GPU only for CI time
@@ -105,6 +121,14 @@ GPU_CASES = [
     # then tails, a two-sided window and a sink with O in slots of its own (Dv != Dqk)
     (Case("seed_heads_w128_overlap_heads_q_ring_4_ahead_2", T=4096, S=4096, N=16, K=1, Dqk=128,
           Dv=128, window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, overlap_heads=True)),
+    # persistent (written 2026-12-07 without a GPU): 256 items (64 blocks, 4 kv heads of 16
+    # query heads) on the SMs, with the table's ring, the overlap and the ping-pong; tails
+    (Case("persistent_w128_q_ring_4_ahead_2", T=4096, S=4096, N=64, K=4, Dqk=128, Dv=128,
+          window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, persistent=True)),
+    (Case("persistent_w128_overlap_heads", T=4096, S=4096, N=64, K=4, Dqk=128, Dv=128,
+          window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, overlap_heads=True, persistent=True)),
+    (Case("persistent_w128_pingpong_tails", T=4001, S=4001, N=64, K=4, Dqk=128, Dv=128,
+          window=(128, 0)), WindowBlockSizes(pingpong=True, q_buffers=3, persistent=True)),
     (Case("overlap_heads_two_sided_mla_learnable_tails", T=1000, S=1000, N=8, K=2, Dqk=128, Dv=64,
           window=(40, 10), softmax="learnable"), WindowBlockSizes(overlap_heads=True)),
     (Case("w128_tma_tails_odd_padded", T=999, S=999, N=16, K=1, Dqk=128, Dv=128,
@@ -138,7 +162,7 @@ def check_case(case: Case, bs: WindowBlockSizes, *, interpret, scale: float | No
 
 @pytest.mark.parametrize("case, bs", CASES, ids=lambda c: getattr(c, "name", ""))
 def test_window_interpret(case, bs, interpreter):
-    races = case.name.startswith("q_ring")
+    races = case.name.startswith(("q_ring", "persistent"))
     check_case(case, bs, interpret=plgpu.InterpretGPUParams(detect_races=True) if races else True)
     assert not (races and interpreter.get_races().races_found), f"{case.name}: a race"
 
@@ -194,8 +218,6 @@ def test_gradients_through_the_backend_interpret(interpreter):
     (1000, 4, 2, 128, 64, (64, 0), "learnable", 5.0, "overlap_heads", 3),
 ])
 def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_buffers):
-    from jax.experimental.mosaic.gpu import core as mosaic_core
-
     q = jax.ShapeDtypeStruct((2, T, N, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, T, K, D), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((2, T, K, Dv), jnp.bfloat16)
@@ -206,6 +228,29 @@ def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_b
     overlap = pingpong == "overlap_heads"  # (the ping-pong's column: off with the overlap)
     bs = WindowBlockSizes(pingpong=pingpong is True, q_buffers=nq, q_ahead=ahead, tma_tails=tails,
                           overlap_heads=overlap)
+    check_lowering(q, k, v, sink, spec, bs)
+
+
+@pytest.mark.parametrize("T, N, K, win, bs", [
+    # persistent: the anchor's form (16 heads a group, 8 kv heads) with the table's ring, and
+    # with the overlap and the ping-pong; a 4-tile band of 64-key tiles, two of 128, tails
+    (4096, 128, 8, (128, 0), WindowBlockSizes(q_buffers=4, q_ahead=2, persistent=True)),
+    (4096, 128, 8, (128, 0), WindowBlockSizes(q_buffers=4, q_ahead=2, overlap_heads=True, persistent=True)),
+    (4096, 128, 8, (128, 0), WindowBlockSizes(pingpong=True, q_buffers=3, persistent=True)),
+    (1000, 16, 2, (100, 30), WindowBlockSizes(persistent=True)),
+    (1000, 16, 2, (60, 30), WindowBlockSizes(block_kv=128, persistent=True)),
+], ids=["anchor", "anchor_overlap", "anchor_pingpong", "four_tiles_tails", "block_kv_128"])
+def test_persistent_lowers_on_cpu(T, N, K, win, bs):
+    q = jax.ShapeDtypeStruct((2, T, N, 128), jnp.bfloat16)
+    k = v = jax.ShapeDtypeStruct((2, T, K, 128), jnp.bfloat16)
+    spec = sm90.spec_for(q, k, v, scale=0.1, window=win)
+    check_lowering(q, k, v, None, spec, bs)
+
+
+def check_lowering(q, k, v, sink, spec, bs: WindowBlockSizes):
+    """The GPU form lowers for cuda on this CPU, and Mosaic GPU counts smem_bytes of shared
+    memory for it (a limit of one byte makes it say how many it needs)."""
+    from jax.experimental.mosaic.gpu import core as mosaic_core
 
     def lower():
         f = jax.jit(lambda q, k, v, s: window.forward_spec(q, k, v, spec, sink=s, block_sizes=bs))
@@ -253,6 +298,10 @@ def test_where_it_applies_and_is_chosen():
         WindowBlockSizes(num_compute_wgs=1, pingpong=True)
     with pytest.raises(ValueError, match="pingpong must be a bool"):
         WindowBlockSizes(pingpong=1)
+    with pytest.raises(ValueError, match="persistent must be a bool"):
+        WindowBlockSizes(persistent=1)
+    # persistent: 2 x 3 more barriers (the band's K and V slots) and 2 for their release
+    assert (WindowBlockSizes(persistent=True).smem_bytes(seed) - bs.smem_bytes(seed)) == 8 * 6
     with pytest.raises(ValueError, match="overlap_heads=True needs pingpong=False"):
         WindowBlockSizes(pingpong=True, overlap_heads=True)
     # overlap_heads holds S, O and P at once: 208 registers a thread at the seed's band of

@@ -27,10 +27,12 @@ def test_candidates_are_valid_distinct_and_start_with_todays_config():
     # today's config on a persistent grid, O in its own buffer (Q prefetched) and in Q's, next
     assert found[1:3] == [dataclasses.replace(found[0], persistent=True, reuse_q_for_o=r)
                           for r in (False, True)]
-    # the window kernel's config: its overlap_heads twin second
+    # the window kernel's config: its twins on the other grid, with the other overlap_heads,
+    # and both, next
     swa = tune.candidates(tune.spec_of(ANCHORS["seed000_gqa_swa"]))
     assert isinstance(swa[0], common.WindowBlockSizes) and not swa[0].pingpong
-    assert swa[1] == dataclasses.replace(swa[0], overlap_heads=not swa[0].overlap_heads)
+    flip = lambda **fields: dataclasses.replace(swa[0], **{f: not getattr(swa[0], f) for f in fields})
+    assert swa[1:4] == [flip(persistent=1), flip(overlap_heads=1), flip(overlap_heads=1, persistent=1)]
     # d64 has room for block_kv 192 with 3 stages, d128 does not without O in Q's buffer
     assert any(bs.block_kv == 192 for bs in tune.candidates(tune.spec_of(ANCHORS["causal_8k_h32_d64"])))
 

@@ -462,7 +462,14 @@ class WindowBlockSizes:
     pingpong (its turns are per GEMM), nor where S, O and P together exceed
     WINDOW_OVERLAP_REGISTERS a thread (`overlap_registers`: 208 at a band of 192 keys and
     v_dim 128). With 2 Q slots the next-but-one head's load waits for O_t's store: pair it
-    with q_ahead <= q_buffers - 2. Off by default until a GPU has timed it."""
+    with q_ahead <= q_buffers - 2. persistent: one CTA an SM, each taking a run of consecutive
+    (batch, kv head, query block) items (`window_items`); K and V are a ring of the band's tiles
+    (slot s holds the tile that is s modulo the band's count), so the next block of the same kv
+    head loads only the tiles entering its band, once every warpgroup is past its last read of
+    the leaving one (K after the item's last S, V after its last P·V: under the last head's
+    softmax and P·V), and the Q ring runs on across items (the next item's first heads load
+    under this one's last), so no CTA start or store drain sits between blocks. Off by default
+    until a GPU has timed them."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
@@ -471,13 +478,14 @@ class WindowBlockSizes:
     q_ahead: int | None = None
     tma_tails: bool = True
     overlap_heads: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
             raise ValueError(f"WindowBlockSizes.block_kv={self.block_kv!r} must be 64 or 128")
         if self.num_compute_wgs not in (1, 2):
             raise ValueError(f"WindowBlockSizes.num_compute_wgs={self.num_compute_wgs!r} must be 1 or 2")
-        for name in ("pingpong", "tma_tails", "overlap_heads"):
+        for name in ("pingpong", "tma_tails", "overlap_heads", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"WindowBlockSizes.{name} must be a bool, got {getattr(self, name)!r}")
         if self.pingpong and self.num_compute_wgs < 2:
@@ -533,7 +541,7 @@ class WindowBlockSizes:
         o = 0 if spec.qk_dim == spec.v_dim else aligned(slots * WINDOW_ROWS * spec.v_dim * size)
         return (aligned(band * spec.qk_dim * size) + aligned(band * spec.v_dim * size)
                 + aligned(slots * WINDOW_ROWS * spec.qk_dim * size) + o + aligned(slots * WINDOW_ROWS * 4)
-                + 8 * (2 + slots))
+                + 8 * (slots + (2 * self.band_tiles(spec) + 2 if self.persistent else 2)))
 
 
 def window_reason(spec: AttentionSpec, bs: "WindowBlockSizes | None" = None) -> str | None:

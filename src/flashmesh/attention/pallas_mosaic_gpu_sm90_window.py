@@ -27,6 +27,17 @@ as the general kernel), so one's softmax runs under the other's GEMMs. K/V traff
 divided by G against the general kernel, and each query block meets ceil((63 + left + right) /
 block_kv) + 1 tiles instead of the 128-row tile's.
 
+With `WindowBlockSizes.persistent` the grid is one CTA an SM over the items (batch, kv head,
+64-position block) in runs of consecutive items (`window_items`). The band is then a ring of its
+nb tiles, slot s holding the tile that is s modulo nb, so S's columns come rotated by lo % nb
+slots (the mask reads each column's key from the rotation; softmax and P·V do not care about
+the order). Between items of one kv head only the slots whose tile changed are loaded: each
+warpgroup arrives on a release barrier after its last S of the item (K) and its last P·V (V),
+and warpgroup 0 then loads the next item's new K tiles under its last head's softmax and P·V,
+and V's under the next item's first S. The Q ring runs on over the items (flat head index f =
+item * G / W + head), so the next item's first heads load under this one's last, and no O store
+is drained before the last item.
+
 Implemented: causal and (left, right) windows in both alignments, any scale, GQA/MQA,
 Dqk != Dv, bf16/f16, tails (wrapper padding), the soft cap, off-by-one and learnable sinks
 (the sink logit is a scalar read from global memory), lse in reference.py's convention, rows
@@ -62,49 +73,140 @@ from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionSpec
 ROWS = WINDOW_ROWS
 
 
+def window_items(num_blocks: int, num_kv_heads: int, batch: int):
+    """A persistent grid's work (axis "sm"): CTA c takes the items [c n / C, (c + 1) n / C) of
+    the flat (batch, kv head, query block) order, n items over C CTAs, so consecutive items of
+    a CTA are mostly neighbouring blocks of one kv head, whose bands share all but the tiles
+    entering. Returns (num_local, coords): the CTA's item count and coords(i) -> (batch, kv
+    head, block) of its i-th item."""
+    cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+    total = num_blocks * num_kv_heads * batch
+    start = lax.div(cta * total, num_ctas)
+
+    def coords(i):
+        item = start + i
+        rest = lax.div(item, num_blocks)
+        return lax.div(rest, num_kv_heads), lax.rem(rest, num_kv_heads), lax.rem(item, num_blocks)
+
+    return lax.div((cta + 1) * total, num_ctas) - start, coords
+
+
 def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_smem, o_smem,
-            lse_smem, p_smem, kv_ready, q_ready, *, spec: AttentionSpec, bs: WindowBlockSizes,
-            nb: int, interpret: bool):
+            lse_smem, p_smem, k_ready, v_ready, q_ready, kv_free, *, spec: AttentionSpec,
+            bs: WindowBlockSizes, nb: int, interpret: bool):
     # q_ref [B, Tp, N, Dqk], k_ref [B, Sp, K, Dqk], v_ref [B, Sp, K, Dv] (T, S in place),
     # sink_ref [N] f32 (the sink logit) or None; out_ref [B, Tp (T in place), N, Dv], lse_ref
     # [B, N, Tp] f32.
     # k_smem [band, Dqk], v_smem [band, Dv]; q_smem [W, nq, 64, Dqk]; o_smem [W, nq, 64, Dv] or
     # None (O in the Q buffer); lse_smem [W, nq, 64] f32; p_smem [W, 64, band] or None
-    # (nq = bs.q_buffers: head t's Q, then its O, in slot t % nq).
+    # (nq = bs.q_buffers: flat head f's Q, then its O, in slot f % nq). k_ready, v_ready: one
+    # barrier (the band in one TMA) or, persistent, nb (slot s holds the band's tile that is s
+    # modulo nb); kv_free: persistent only, 2 barriers of W arrivals (every warpgroup past its
+    # reads of an item's K, of its V) or None.
     W, bkv, G, nq, ahead = bs.num_compute_wgs, bs.block_kv, spec.group_size, bs.q_buffers, bs.ahead
     band, dtype = nb * bkv, jnp.dtype(spec.dtype)
-    block, kv_head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     nk = -(-spec.kv_len // bkv)
-    r = band_kv_range(block, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
-                      diagonal_offset=spec.diagonal_offset, block_q=ROWS, block_kv=bkv)
-    lo = jnp.clip(r.lo, 0, nk - nb)  # the band: tiles lo .. lo + nb - 1, inside the tiles
-    row0 = block * ROWS
+    heads = G // W  # per warpgroup and item: group heads wg, wg + W, ...
     o_smem = q_smem if o_smem is None else o_smem
-    heads = G // W  # per warpgroup: group heads wg, wg + W, ...
+    if bs.persistent:
+        num_items, coords = window_items(-(-spec.q_len // ROWS), spec.num_kv_heads, spec.batch)
+    else:  # one item, the grid's
+        num_items = 1
 
-    def head_of(t):
+        def coords(i):
+            del i
+            return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
+    total = num_items * heads  # the warpgroup's heads over its items: flat f = i * heads + t
+
+    def item_head(f):
+        """(item, its head t) of flat head f."""
+        if not bs.persistent:
+            return 0, f
+        if isinstance(f, int):
+            return divmod(f, heads)
+        return lax.div(f, heads), lax.rem(f, heads)
+
+    def band_lo(block):  # the band: tiles lo .. lo + nb - 1, inside the tiles
+        r = band_kv_range(block, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
+                          diagonal_offset=spec.diagonal_offset, block_q=ROWS, block_kv=bkv)
+        return jnp.clip(r.lo, 0, nk - nb)
+
+    def tile_in(lo, s):
+        """The band's tile in slot s: persistent, the one that is s modulo nb; else lo + s."""
+        return lo + lax.rem(s - lax.rem(lo, nb) + nb, nb) if bs.persistent else lo + s
+
+    def head_of(kv_head, t):
         return kv_head * G + wg + t * W
 
-    def load_q(t, buf):
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, ROWS), head_of(t)], q_smem.at[wg, buf],
-                                q_ready.at[wg * nq + buf])
+    def slot(f):
+        return f % nq if isinstance(f, int) else lax.rem(f, nq)
+
+    def load_q(f):
+        i, t = item_head(f)
+        batch, kv_head, block = coords(i)
+        buf = slot(f)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(block * ROWS, ROWS), head_of(kv_head, t)],
+                                q_smem.at[wg, buf], q_ready.at[wg * nq + buf])
+
+    def slot_changes(i):
+        """Persistent: per slot, whether item i's band tile there is not item i - 1's (every
+        slot at the CTA's first item and where the kv head or batch changes)."""
+        batch, kv_head, block = coords(i)
+        p_batch, p_kv_head, p_block = coords(jnp.maximum(i - 1, 0))
+        lo, p_lo = band_lo(block), band_lo(p_block)
+        same = (i > 0) & (batch == p_batch) & (kv_head == p_kv_head)
+        return [jnp.logical_not(same & (tile_in(lo, s) == tile_in(p_lo, s))) for s in range(nb)]
+
+    def load_band(i, which):
+        """Item i's K (which 0) or V (1) by TMA: the whole band at once, or persistent, the
+        tiles item i - 1 did not hold, each into its slot."""
+        ref, smem, ready = (k_ref, k_smem, k_ready) if which == 0 else (v_ref, v_smem, v_ready)
+        batch, kv_head, block = coords(i)
+        lo = band_lo(block)
+        if not bs.persistent:
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(lo * bkv, band), kv_head], smem, ready.at[0])
+            return
+        for s, changed in enumerate(slot_changes(i)):
+            pl.when(changed)(lambda s=s: plgpu.copy_gmem_to_smem(
+                ref.at[batch, pl.ds(tile_in(lo, s) * bkv, bkv), kv_head],
+                smem.at[pl.ds(s * bkv, bkv)], ready.at[s]))
+
+    def wait_band(changes, which):
+        ready = k_ready if which == 0 else v_ready
+        if changes is None:
+            plgpu.barrier_wait(ready.at[0])
+            return
+        for s, changed in enumerate(changes):
+            pl.when(changed)(lambda s=s: plgpu.barrier_wait(ready.at[s]))
+
+    def free_band(i, which, when):
+        """Persistent, once the warpgroup's last read of item i's K (V) is done and another item
+        follows (`when`): arrive on kv_free; `load_next` then refills the slots."""
+        if bs.persistent:
+            pl.when((i + 1 < num_items) & when)(lambda: plgpu.barrier_arrive(kv_free.at[which]))
+
+    def load_next(i, which, when):
+        """Warpgroup 0: once every warpgroup freed item i's K (V), item i + 1's tiles."""
+        if bs.persistent:
+            @pl.when((i + 1 < num_items) & when & (wg == 0))
+            def _():
+                plgpu.barrier_wait(kv_free.at[which])
+                load_band(i + 1, which)
 
     # The first Q, then K, then V: the first S GEMM waits for Q and K only, and V arrives under
     # it and its softmax (awaited before the first P V). Then the next heads' Q up to head
-    # ahead - 1: head t loads head t + ahead's.
-    load_q(0, 0)
+    # ahead - 1: head f loads head f + ahead's.
+    load_q(0)
 
     @pl.when(wg == 0)
     def _():
-        keys = (batch, pl.ds(lo * bkv, band), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, kv_ready.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, kv_ready.at[1])
+        load_band(0, 0)
+        load_band(0, 1)
 
-    for t in range(1, min(ahead, heads)):
-        load_q(t, t)
+    for f in range(1, min(ahead, heads)):
+        load_q(f)
 
-    plgpu.barrier_wait(kv_ready.at[0])
     pv = parts.pv_from_smem if interpret else parts.pv_from_registers
     scale2 = spec.scale * parts.LOG2E
     cap = spec.logits_soft_cap
@@ -116,8 +218,8 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     # Ping-pong: warpgroup w waits on named barrier base + w before issuing a GEMM and signals
     # base + (w + 1) % W once it is issued (each head's S, then its P V), so the other
     # warpgroup's softmax runs under it. Warpgroup 0 skips its first wait and the last warpgroup
-    # its last signal: every warpgroup runs G / W heads, so the barriers balance. Mosaic GPU
-    # owns barrier 0 and 1 + warpgroup index; ours start after those.
+    # its last signal: every warpgroup runs G / W heads an item, so the barriers balance.
+    # Mosaic GPU owns barrier 0 and 1 + warpgroup index; ours start after those.
     base = parts.first_free_barrier(W)
 
     def turn(operation: str, barrier, skip=None):
@@ -131,23 +233,24 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     def turn_signal(skip=None):
         turn("arrive", base + lax.rem(wg + 1, W), skip)
 
-    def wait_q(t):
-        plgpu.barrier_wait(q_ready.at[wg * nq + lax.rem(t, nq)])
+    def wait_q(f):
+        plgpu.barrier_wait(q_ready.at[wg * nq + slot(f)])
 
-    def issue_s(s_ref, t):
-        plgpu.wgmma(s_ref, q_smem.at[wg, lax.rem(t, nq)], k_smem.transpose((1, 0)))
+    def issue_s(s_ref, f):
+        plgpu.wgmma(s_ref, q_smem.at[wg, slot(f)], k_smem.transpose((1, 0)))
 
-    def load_ahead(t):
-        # Head t + ahead's Q into the slot of head t + ahead - nq, once that head's O is out
-        # (called after head t's S GEMM: the last head's O store had that GEMM to finish). The
-        # heads between issued two stores each (O, lse), which may still be reading.
-        @pl.when(t + ahead < heads)
+    def load_ahead(f):
+        # Flat head f + ahead's Q into the slot of head f + ahead - nq, once that head's O is
+        # out (called after head f's S GEMM: the last head's O store had that GEMM to finish).
+        # The heads between issued two stores each (O, lse), which may still be reading.
+        @pl.when(f + ahead < total)
         def _():
             plgpu.wait_smem_to_gmem(2 * (nq - 1 - ahead), wait_read_only=True)
-            load_q(t + ahead, lax.rem(t + ahead, nq))
+            load_q(f + ahead)
 
-    def softmax(t, s):
-        """Head t's P (16-bit), row max (0 for a row with no key) and row sum from its S."""
+    def softmax(s, head, row0, lo):
+        """A head's P (16-bit), row max (0 for a row with no key) and row sum from its S; the
+        rows from row0, the band from tile lo."""
         if cap is not None:  # as the general kernel: cap tanh(scale s / cap), log2 units
             e = jnp.exp2(s * (2.0 * parts.LOG2E * spec.scale / cap))
             s = (1.0 - 2.0 / (e + 1.0)) * (cap * parts.LOG2E)
@@ -156,11 +259,16 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         # (indices made here, not before the loop, so they are not live across it)
         i = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 0, layout=plgpu.Layout.WGMMA)
         j = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 1, layout=plgpu.Layout.WGMMA)
-        s = parts.band_mask(s, i + (row0 + spec.diagonal_offset), j + lo * bkv, spec, kv_tail)
+        if bs.persistent:  # column j is slot j // bkv's tile: the band rotated by lo % nb slots
+            rot = lax.rem(lo, nb)
+            key = j + (lo - rot) * bkv + jnp.where(j < rot * bkv, band, 0)
+        else:
+            key = j + lo * bkv
+        s = parts.band_mask(s, i + (row0 + spec.diagonal_offset), key, spec, kv_tail)
         m = s.max(axis=1) * scale2 if fold else s.max(axis=1)
         row = plgpu.Layout.WGMMA.reduce(1)
         if spec.softmax != "vanilla":  # the sink is one more logit z with no value
-            z = 0.0 if sink_ref is None else sink_ref[head_of(t)] * parts.LOG2E
+            z = 0.0 if sink_ref is None else sink_ref[head] * parts.LOG2E
             z = plgpu.layout_cast(jnp.full((ROWS,), z, jnp.float32), row)
             m = jnp.maximum(m, z)
         m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a row with no key: exact zeros, no NaN
@@ -179,9 +287,10 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
                         EMPTY_ROW_LSE)
         return inv, lse
 
-    def finish(t, acc, inv, lse):
-        """Head t's O = acc / l and lse into its slot (Q's, whose S is done), then to memory."""
-        buf, head = lax.rem(t, nq), head_of(t)
+    def finish(f, where, acc, inv, lse):
+        """Flat head f's O = acc / l and lse into its slot (Q's, whose S is done), then to
+        memory at where = (batch, head, row0)."""
+        (batch, head, row0), buf = where, slot(f)
         o = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()  # every warp is past its reads of Q before O overwrites it
         o_smem.at[wg, buf][...] = o
@@ -195,71 +304,99 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     def zeros(columns):
         return plgpu.layout_cast(jnp.zeros((ROWS, columns), jnp.float32), plgpu.Layout.WGMMA)
 
-    def s_of(t, signal=lambda: None):
-        """Head t's S, issued and awaited alone."""
+    def s_of(f, signal=lambda: None):
+        """Flat head f's S, issued and awaited alone."""
         def qk(s_ref):
-            issue_s(s_ref, t)
+            issue_s(s_ref, f)
             signal()
             return s_ref[...]
 
         return pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
 
-    def wait_v(t):  # V, once, before head 0's P·V
-        if isinstance(t, int):
-            if t == 0:
-                plgpu.barrier_wait(kv_ready.at[1])
+    def run_item(i):
+        """The warpgroup's heads of item i (flat heads i * heads ...); persistent, its last
+        reads of K and V free their slots for item i + 1's tiles."""
+        batch, kv_head, block = coords(i)
+        lo, row0, f0 = band_lo(block), block * ROWS, i * heads
+        changes = slot_changes(i) if bs.persistent else None
+        wait_band(changes, 0)
+
+        def wait_v(t):  # V, once, before the item's first P·V
+            if isinstance(t, int):
+                if t == 0:
+                    wait_band(changes, 1)
+            else:
+                pl.when(t == 0)(lambda: wait_band(changes, 1))
+
+        def where(t):
+            return batch, head_of(kv_head, t), row0
+
+        def one_head(t, carry):
+            f, last = f0 + t, t == heads - 1
+            wait_q(f)
+            turn_wait(skip=(f == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
+            s = s_of(f, turn_signal)
+            load_ahead(f)
+            free_band(i, 0, last)
+            p16, m_safe, l = softmax(s, head_of(kv_head, t), row0, lo)
+            load_next(i, 0, last)
+            wait_v(t)
+            turn_wait()
+            end = (f + 1 == total) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
+            acc = pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: turn_signal(skip=end))
+            free_band(i, 1, last)
+            finish(f, where(t), acc, *stats(m_safe, l))
+            load_next(i, 1, last)
+            return carry
+
+        def overlapped_head(t, s):
+            """Head t from its S: P·V_t and S_{t+1} in flight together, O_t written under
+            S_{t+1} (the interpreter: P·V through SMEM, O_t, then S_{t+1}); returns S_{t+1}.
+            Q_{t+1} is awaited after P·V's issue, so a late load holds back only S; the row
+            statistics are taken before the GEMMs, so only O's scaling and stores run beside S
+            in flight."""
+            f = f0 + t
+            p16, m_safe, l = softmax(s, head_of(kv_head, t), row0, lo)
+            inv, lse = stats(m_safe, l)
+            wait_v(t)
+            if interpret:
+                finish(f, where(t), parts.pv_from_smem(zeros(spec.v_dim), p16, v_smem, p_wg,
+                                                       lambda: None), inv, lse)
+                wait_q(f + 1)
+                s = s_of(f + 1)
+            else:
+                def pair(refs):
+                    o_ref, s_ref = refs
+                    plgpu.wgmma(o_ref, p16, v_smem)
+                    wait_q(f + 1)
+                    issue_s(s_ref, f + 1)
+                    finish(f, where(t), plgpu.wgmma_accumulator_load(o_ref, wait_n=1), inv, lse)
+
+                _, s = pl.run_state(pair)((plgpu.ACC.init(zeros(spec.v_dim)), plgpu.ACC.init(zeros(band))))
+            load_ahead(f + 1)
+            return s
+
+        if bs.overlap_heads:
+            wait_q(f0)
+            s = s_of(f0)
+            load_ahead(f0)
+            s = lax.fori_loop(0, heads - 1, overlapped_head, s)
+            t = heads - 1
+            free_band(i, 0, True)
+            p16, m_safe, l = softmax(s, head_of(kv_head, t), row0, lo)
+            load_next(i, 0, True)
+            wait_v(t)
+            acc = pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: None)
+            free_band(i, 1, True)
+            finish(f0 + t, where(t), acc, *stats(m_safe, l))
+            load_next(i, 1, True)
         else:
-            pl.when(t == 0)(lambda: plgpu.barrier_wait(kv_ready.at[1]))
+            lax.fori_loop(0, heads, one_head, 0)
 
-    def one_head(t, carry):
-        wait_q(t)
-        turn_wait(skip=(t == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
-        s = s_of(t, turn_signal)
-        load_ahead(t)
-        p16, m_safe, l = softmax(t, s)
-        wait_v(t)
-        turn_wait()
-        last = (t + 1 == heads) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
-        acc = pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: turn_signal(skip=last))
-        finish(t, acc, *stats(m_safe, l))
-        return carry
-
-    def overlapped_head(t, s):
-        """Head t from its S: P·V_t and S_{t+1} in flight together, O_t written under S_{t+1}
-        (the interpreter: P·V through SMEM, O_t, then S_{t+1}); returns S_{t+1}. Q_{t+1} is
-        awaited after P·V's issue, so a late load holds back only S; the row statistics are
-        taken before the GEMMs, so only O's scaling and stores run beside S in flight."""
-        p16, m_safe, l = softmax(t, s)
-        inv, lse = stats(m_safe, l)
-        wait_v(t)
-        if interpret:
-            finish(t, parts.pv_from_smem(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: None),
-                   inv, lse)
-            wait_q(t + 1)
-            s = s_of(t + 1)
-        else:
-            def pair(refs):
-                o_ref, s_ref = refs
-                plgpu.wgmma(o_ref, p16, v_smem)
-                wait_q(t + 1)
-                issue_s(s_ref, t + 1)
-                finish(t, plgpu.wgmma_accumulator_load(o_ref, wait_n=1), inv, lse)
-
-            _, s = pl.run_state(pair)((plgpu.ACC.init(zeros(spec.v_dim)), plgpu.ACC.init(zeros(band))))
-        load_ahead(t + 1)
-        return s
-
-    if bs.overlap_heads:
-        wait_q(0)
-        s = s_of(0)
-        load_ahead(0)
-        s = lax.fori_loop(0, heads - 1, overlapped_head, s)
-        last = heads - 1
-        p16, m_safe, l = softmax(last, s)
-        wait_v(last)
-        finish(last, pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: None), *stats(m_safe, l))
+    if bs.persistent:
+        lax.fori_loop(0, num_items, lambda i, carry: (run_item(i), carry)[1], 0)
     else:
-        lax.fori_loop(0, heads, one_head, 0)
+        run_item(0)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -287,7 +424,9 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
                None if spec.qk_dim == spec.v_dim else smem_tile((W, nq, ROWS, spec.v_dim), dtype),
                plgpu.SMEM((W, nq, ROWS), jnp.float32),
                smem_tile((W, ROWS, band), dtype) if interpret else None,
-               plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=nq * W)]
+               *[plgpu.Barrier(num_barriers=nb if bs.persistent else 1)] * 2,
+               plgpu.Barrier(num_barriers=nq * W),
+               plgpu.Barrier(num_arrivals=W, num_barriers=2) if bs.persistent else None]
 
     def entry(q_ref, k_ref, v_ref, *refs):
         sink_ref = refs[0] if sink is not None else None
@@ -304,9 +443,15 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
     out_type = (jax.ShapeDtypeStruct((spec.batch, q.shape[1], spec.num_heads, spec.v_dim), dtype),
                 jax.ShapeDtypeStruct((spec.batch, spec.num_heads, Tp), jnp.float32))
     inputs = (q, k, v) + ((sink,) if sink is not None else ())
+    if bs.persistent:  # one CTA an SM, each over a run of consecutive items (window_items)
+        from flashmesh.attention.pallas_mosaic_gpu_sm90 import sm_count
+
+        grid = (min(Tp // ROWS * spec.num_kv_heads * spec.batch, sm_count(interpret)),)
+        grid_names = ("sm",)
+    else:
+        grid, grid_names = (Tp // ROWS, spec.num_kv_heads, spec.batch), ("q", "heads", "batch")
     out, lse = plgpu.kernel(
-        entry, out_type=out_type, grid=(Tp // ROWS, spec.num_kv_heads, spec.batch),
-        grid_names=("q", "heads", "batch"), num_threads=W, thread_name="wg",
+        entry, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=W, thread_name="wg",
         # No reduction scratch: the row max and sum stay within a warp (WGMMA layout).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         # The interpreter models named barriers (the ping-pong) only in its tokamax mode.

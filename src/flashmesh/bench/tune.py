@@ -78,12 +78,16 @@ def candidates(spec, limit: int | None = None) -> list:
                for kv, w, p, (nq, a) in itertools.product((64, 128), (2, 1), (False, True),
                                                           ((2, 1), (3, 2), (3, 1), (4, 3), (4, 2)))
                if w == 2 or not p)
-    # today's config's twins: on a persistent grid; for the window kernel, the other
-    # overlap_heads (P·V with the next head's S)
+    # today's config's twins: on a persistent grid; for the window kernel, on the other grid
+    # (persistent or not), with the other overlap_heads (P·V with the next head's S), both
     twins = ([dataclasses.replace(default, persistent=p, reuse_q_for_o=r) for p, r in PERSISTENT]
              if isinstance(default, common.BlockSizes) and default.num_splits == 1 else [])
-    if isinstance(default, common.WindowBlockSizes) and not default.pingpong:
-        twins = [dataclasses.replace(default, overlap_heads=not default.overlap_heads)]
+    if isinstance(default, common.WindowBlockSizes):
+        twins = [dataclasses.replace(default, persistent=not default.persistent)]
+        if not default.pingpong:
+            twins += [dataclasses.replace(default, overlap_heads=not default.overlap_heads),
+                      dataclasses.replace(default, overlap_heads=not default.overlap_heads,
+                                          persistent=not default.persistent)]
     for bs in itertools.chain([default], twins, windows, (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
                                                                       num_stages=st, intra_wg_overlap=ov)
                                                    for (bq, w), kv, st, ov in grid)):
