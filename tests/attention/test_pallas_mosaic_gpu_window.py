@@ -91,6 +91,10 @@ CASES = [
      WindowBlockSizes(persistent=True)),
     (Case("persistent_q_ring_4_ahead_2_two_sided_learnable", T=150, S=230, N=6, K=2, window=(30, 20),
           softmax="learnable"), WindowBlockSizes(num_compute_wgs=1, q_buffers=4, q_ahead=2, persistent=True)),
+    # one head a warpgroup an item against a ring loading three ahead: the prologue's loads
+    # reach into the next items (a hang when they stopped at the first item's heads)
+    (Case("persistent_q_ring_4_one_head_each", T=200, S=200, N=6, K=3, window=(30, 0)),
+     WindowBlockSizes(q_buffers=4, persistent=True)),
     (Case("persistent_overlap_heads", T=200, S=200, N=6, K=2, window=(64, 0)),
      WindowBlockSizes(num_compute_wgs=1, q_buffers=3, overlap_heads=True, persistent=True)),
     (Case("persistent_pingpong_empty_blocks", T=256, S=64, N=4, K=2, window=(8, 0), bottom_right=True),

@@ -195,8 +195,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
                 load_band(i + 1, which)
 
     # The first Q, then K, then V: the first S GEMM waits for Q and K only, and V arrives under
-    # it and its softmax (awaited before the first P V). Then the next heads' Q up to head
-    # ahead - 1: head f loads head f + ahead's.
+    # it and its softmax (awaited before the first P V). Then the next heads' Q up to flat head
+    # ahead - 1 (persistent: into the next items where an item has fewer heads, as far as the
+    # CTA has heads): head f loads head f + ahead's.
     load_q(0)
 
     @pl.when(wg == 0)
@@ -204,8 +205,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         load_band(0, 0)
         load_band(0, 1)
 
-    for f in range(1, min(ahead, heads)):
-        load_q(f)
+    for f in range(1, ahead if bs.persistent else min(ahead, heads)):
+        if f < heads:
+            load_q(f)
+        else:
+            pl.when(f < total)(lambda f=f: load_q(f))
 
     pv = parts.pv_from_smem if interpret else parts.pv_from_registers
     scale2 = spec.scale * parts.LOG2E
