@@ -16,7 +16,7 @@ BackwardBlockSizes.overlap off and on), timed in 3 alternated rounds; `--bwd-wg-
 BWD_WG_RANGES (BackwardBlockSizes.wg_ranges, persistent_dq) the same way; `--bwd-delta`:
 BWD_DELTA (delta_in_dq) the same way; `--bwd-fold`: BWD_FOLD (overlap, fold_stats, the fused form
 by columns, dq_writer, ds_sync) the same way; `--window`: the window kernel's WINDOW_CONFIGS
-(ping-pong off and on, block_kv, the Q ring, overlap_heads, persistent) the same way, on the window shapes named;
+(ping-pong off and on, the Q ring, persistent with the band a ring or reloaded) the same way, on the window shapes named;
 `--window-parts`: the table's window config with one stage left out at a time (WINDOW_PARTS:
 mask, exp2, P·V, the stores), timed the same way, then with G, G / 2 and G / 4 query heads
 per group on the same grid (a line through them: the per-head and the fixed cost). Each alternated mode also lists each config's kernels.
@@ -293,12 +293,13 @@ def backward_alone(name, q, k, v, window, t_cudnn_fwd):
 
 # `--window`: the window kernel's WindowBlockSizes, alternated in 3 rounds (ping-pong off / on,
 # the band's tiles, the Q ring, overlap_heads)
-WINDOW_CONFIGS = [dict(), dict(pingpong=True), dict(block_kv=128), dict(block_kv=128, pingpong=True),
-                  dict(q_buffers=3, q_ahead=1), dict(q_buffers=4), dict(q_buffers=4, q_ahead=2),
-                  dict(pingpong=True, q_buffers=4, q_ahead=2), dict(q_buffers=3, q_ahead=1, overlap_heads=True),
-                  dict(q_buffers=4, q_ahead=2, overlap_heads=True), dict(q_buffers=4, q_ahead=2, persistent=True),
-                  dict(q_buffers=4, q_ahead=2, overlap_heads=True, persistent=True),
-                  dict(pingpong=True, q_buffers=4, q_ahead=2, persistent=True)]
+# (block_kv 128, overlap_heads and the ping-pong with the deep ring lost on the H200,
+# benchmarks/results/2026-12-07-nvidia-h200-probes; the persistent forms are timed here)
+WINDOW_CONFIGS = [dict(), dict(pingpong=True), dict(q_buffers=4, q_ahead=2),
+                  dict(persistent=True), dict(persistent=True, reload_band=True),
+                  dict(q_buffers=3, q_ahead=1, persistent=True), dict(q_buffers=4, q_ahead=2, persistent=True),
+                  dict(q_buffers=4, q_ahead=2, persistent=True, reload_band=True),
+                  dict(pingpong=True, persistent=True), dict(pingpong=True, persistent=True, reload_band=True)]
 
 
 def window_alone(q, k, v, window, out_ref):

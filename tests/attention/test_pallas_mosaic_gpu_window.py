@@ -83,8 +83,8 @@ CASES = [
     # persistent (3 CTAs in the interpreter, races on): 8 items (4 blocks, 2 kv heads) in runs
     # of 2, 3, 3, one crossing kv heads; the band's 64-key tiles a ring the next block refills
     # one slot of; kv heads switching where the next band holds the same tiles (all reloaded);
-    # a 4-slot ring two ahead running on across items with a sink and T != S; the overlap; the
-    # ping-pong with whole blocks that see no key
+    # a 4-slot ring two ahead running on across items with a sink and T != S; the ping-pong
+    # with whole blocks that see no key
     (Case("persistent_gqa_two_wgs_crossing_kv_heads", T=200, S=200, N=4, K=2, window=(100, 0)),
      WindowBlockSizes(persistent=True)),
     (Case("persistent_kv_heads_switch_same_band", T=128, S=128, N=8, K=4, window=(100, 0)),
@@ -95,8 +95,9 @@ CASES = [
     # reach into the next items (a hang when they stopped at the first item's heads)
     (Case("persistent_q_ring_4_one_head_each", T=200, S=200, N=6, K=3, window=(30, 0)),
      WindowBlockSizes(q_buffers=4, persistent=True)),
-    (Case("persistent_overlap_heads", T=200, S=200, N=6, K=2, window=(64, 0)),
-     WindowBlockSizes(num_compute_wgs=1, q_buffers=3, overlap_heads=True, persistent=True)),
+    # reload_band: the whole band again at every item (kv heads crossing, a 3-slot ring)
+    (Case("persistent_reload_band_crossing_kv_heads", T=200, S=200, N=6, K=2, window=(64, 0)),
+     WindowBlockSizes(num_compute_wgs=1, q_buffers=3, persistent=True, reload_band=True)),
     (Case("persistent_pingpong_empty_blocks", T=256, S=64, N=4, K=2, window=(8, 0), bottom_right=True),
      WindowBlockSizes(pingpong=True, persistent=True)),
 ]
@@ -126,11 +127,11 @@ GPU_CASES = [
     (Case("seed_heads_w128_overlap_heads_q_ring_4_ahead_2", T=4096, S=4096, N=16, K=1, Dqk=128,
           Dv=128, window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, overlap_heads=True)),
     # persistent (written 2026-12-07 without a GPU): 256 items (64 blocks, 4 kv heads of 16
-    # query heads) on the SMs, with the table's ring, the overlap and the ping-pong; tails
+    # query heads) on the SMs, with the table's ring, the band reloaded and the ping-pong; tails
     (Case("persistent_w128_q_ring_4_ahead_2", T=4096, S=4096, N=64, K=4, Dqk=128, Dv=128,
           window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, persistent=True)),
-    (Case("persistent_w128_overlap_heads", T=4096, S=4096, N=64, K=4, Dqk=128, Dv=128,
-          window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, overlap_heads=True, persistent=True)),
+    (Case("persistent_w128_reload_band", T=4096, S=4096, N=64, K=4, Dqk=128, Dv=128,
+          window=(128, 0)), WindowBlockSizes(q_buffers=4, q_ahead=2, persistent=True, reload_band=True)),
     (Case("persistent_w128_pingpong_tails", T=4001, S=4001, N=64, K=4, Dqk=128, Dv=128,
           window=(128, 0)), WindowBlockSizes(pingpong=True, q_buffers=3, persistent=True)),
     (Case("overlap_heads_two_sided_mla_learnable_tails", T=1000, S=1000, N=8, K=2, Dqk=128, Dv=64,
@@ -237,13 +238,13 @@ def test_gpu_path_lowers_on_cpu(T, N, K, D, Dv, win, softmax, cap, pingpong, q_b
 
 @pytest.mark.parametrize("T, N, K, win, bs", [
     # persistent: the anchor's form (16 heads a group, 8 kv heads) with the table's ring, and
-    # with the overlap and the ping-pong; a 4-tile band of 64-key tiles, two of 128, tails
+    # with the band reloaded and the ping-pong; a 4-tile band of 64-key tiles, two of 128, tails
     (4096, 128, 8, (128, 0), WindowBlockSizes(q_buffers=4, q_ahead=2, persistent=True)),
-    (4096, 128, 8, (128, 0), WindowBlockSizes(q_buffers=4, q_ahead=2, overlap_heads=True, persistent=True)),
+    (4096, 128, 8, (128, 0), WindowBlockSizes(q_buffers=4, q_ahead=2, persistent=True, reload_band=True)),
     (4096, 128, 8, (128, 0), WindowBlockSizes(pingpong=True, q_buffers=3, persistent=True)),
     (1000, 16, 2, (100, 30), WindowBlockSizes(persistent=True)),
     (1000, 16, 2, (60, 30), WindowBlockSizes(block_kv=128, persistent=True)),
-], ids=["anchor", "anchor_overlap", "anchor_pingpong", "four_tiles_tails", "block_kv_128"])
+], ids=["anchor", "anchor_reload_band", "anchor_pingpong", "four_tiles_tails", "block_kv_128"])
 def test_persistent_lowers_on_cpu(T, N, K, win, bs):
     q = jax.ShapeDtypeStruct((2, T, N, 128), jnp.bfloat16)
     k = v = jax.ShapeDtypeStruct((2, T, K, 128), jnp.bfloat16)
@@ -304,8 +305,15 @@ def test_where_it_applies_and_is_chosen():
         WindowBlockSizes(pingpong=1)
     with pytest.raises(ValueError, match="persistent must be a bool"):
         WindowBlockSizes(persistent=1)
-    # persistent: 2 x 3 more barriers (the band's K and V slots) and 2 for their release
+    # persistent: 2 x 3 barriers for the band's K and V slots (2 x 1 reloading the whole band)
+    # and 2 for their release
     assert (WindowBlockSizes(persistent=True).smem_bytes(seed) - bs.smem_bytes(seed)) == 8 * 6
+    assert (WindowBlockSizes(persistent=True, reload_band=True).smem_bytes(seed)
+            - bs.smem_bytes(seed)) == 8 * 2
+    with pytest.raises(ValueError, match="persistent=True needs overlap_heads=False"):
+        WindowBlockSizes(persistent=True, overlap_heads=True)
+    with pytest.raises(ValueError, match="reload_band=True needs persistent=True"):
+        WindowBlockSizes(reload_band=True)
     with pytest.raises(ValueError, match="overlap_heads=True needs pingpong=False"):
         WindowBlockSizes(pingpong=True, overlap_heads=True)
     # overlap_heads holds S, O and P at once: 208 registers a thread at the seed's band of

@@ -3,6 +3,7 @@ loads, entries are matched by anchor, then key, else appended), and one tiny int
 end to end through the CLI."""
 
 import dataclasses
+import functools
 import json
 import re
 
@@ -27,12 +28,14 @@ def test_candidates_are_valid_distinct_and_start_with_todays_config():
     # today's config on a persistent grid, O in its own buffer (Q prefetched) and in Q's, next
     assert found[1:3] == [dataclasses.replace(found[0], persistent=True, reuse_q_for_o=r)
                           for r in (False, True)]
-    # the window kernel's config: its twins on the other grid, with the other overlap_heads,
-    # and both, next
+    # the window kernel's config (plain: neither persistent nor overlapped), then persistent
+    # with the band a ring and reloaded, and with overlap_heads, next
     swa = tune.candidates(tune.spec_of(ANCHORS["seed000_gqa_swa"]))
     assert isinstance(swa[0], common.WindowBlockSizes) and not swa[0].pingpong
-    flip = lambda **fields: dataclasses.replace(swa[0], **{f: not getattr(swa[0], f) for f in fields})
-    assert swa[1:4] == [flip(persistent=1), flip(overlap_heads=1), flip(overlap_heads=1, persistent=1)]
+    assert not (swa[0].persistent or swa[0].overlap_heads)
+    with_ = functools.partial(dataclasses.replace, swa[0])
+    assert swa[1:4] == [with_(persistent=True), with_(persistent=True, reload_band=True),
+                        with_(overlap_heads=True)]
     # d64 has room for block_kv 192 with 3 stages, d128 does not without O in Q's buffer
     assert any(bs.block_kv == 192 for bs in tune.candidates(tune.spec_of(ANCHORS["causal_8k_h32_d64"])))
 

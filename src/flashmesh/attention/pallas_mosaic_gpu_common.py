@@ -468,8 +468,11 @@ class WindowBlockSizes:
     head loads only the tiles entering its band, once every warpgroup is past its last read of
     the leaving one (K after the item's last S, V after its last P·V: under the last head's
     softmax and P·V), and the Q ring runs on across items (the next item's first heads load
-    under this one's last), so no CTA start or store drain sits between blocks. Off by default
-    until a GPU has timed them."""
+    under this one's last), so no CTA start or store drain sits between blocks; not with
+    overlap_heads. reload_band (persistent only): every item loads its whole band into the
+    slots in order, K once every warpgroup's last S of the item before is done, V after its
+    last P·V (no rotated columns, no per-slot loads; the band's traffic from L2 as without
+    persistent). Off by default until a GPU has timed them."""
 
     block_kv: int = 64
     num_compute_wgs: int = 2
@@ -479,13 +482,14 @@ class WindowBlockSizes:
     tma_tails: bool = True
     overlap_heads: bool = False
     persistent: bool = False
+    reload_band: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
             raise ValueError(f"WindowBlockSizes.block_kv={self.block_kv!r} must be 64 or 128")
         if self.num_compute_wgs not in (1, 2):
             raise ValueError(f"WindowBlockSizes.num_compute_wgs={self.num_compute_wgs!r} must be 1 or 2")
-        for name in ("pingpong", "tma_tails", "overlap_heads", "persistent"):
+        for name in ("pingpong", "tma_tails", "overlap_heads", "persistent", "reload_band"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"WindowBlockSizes.{name} must be a bool, got {getattr(self, name)!r}")
         if self.pingpong and self.num_compute_wgs < 2:
@@ -494,6 +498,11 @@ class WindowBlockSizes:
         if self.pingpong and self.overlap_heads:
             raise ValueError("WindowBlockSizes.overlap_heads=True needs pingpong=False (the "
                              "ping-pong's turns are per GEMM)")
+        if self.persistent and self.overlap_heads:
+            raise ValueError("WindowBlockSizes.persistent=True needs overlap_heads=False (its "
+                             "heads pair up within one block)")
+        if self.reload_band and not self.persistent:
+            raise ValueError("WindowBlockSizes.reload_band=True needs persistent=True")
         if self.q_buffers not in (2, 3, 4):
             raise ValueError(f"WindowBlockSizes.q_buffers={self.q_buffers!r} must be 2, 3 or 4")
         if self.q_ahead is not None and (not isinstance(self.q_ahead, int)
@@ -541,7 +550,8 @@ class WindowBlockSizes:
         o = 0 if spec.qk_dim == spec.v_dim else aligned(slots * WINDOW_ROWS * spec.v_dim * size)
         return (aligned(band * spec.qk_dim * size) + aligned(band * spec.v_dim * size)
                 + aligned(slots * WINDOW_ROWS * spec.qk_dim * size) + o + aligned(slots * WINDOW_ROWS * 4)
-                + 8 * (slots + (2 * self.band_tiles(spec) + 2 if self.persistent else 2)))
+                + 8 * (slots + 2 * (self.band_tiles(spec) if self.persistent and not self.reload_band else 1)
+                       + 2 * self.persistent))
 
 
 def window_reason(spec: AttentionSpec, bs: "WindowBlockSizes | None" = None) -> str | None:

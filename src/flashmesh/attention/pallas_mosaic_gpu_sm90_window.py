@@ -34,9 +34,14 @@ slots (the mask reads each column's key from the rotation; softmax and P·V do n
 the order). Between items of one kv head only the slots whose tile changed are loaded: each
 warpgroup arrives on a release barrier after its last S of the item (K) and its last P·V (V),
 and warpgroup 0 then loads the next item's new K tiles under its last head's softmax and P·V,
-and V's under the next item's first S. The Q ring runs on over the items (flat head index f =
-item * G / W + head), so the next item's first heads load under this one's last, and no O store
-is drained before the last item.
+and V's under the next item's first S. The Q ring runs on over the items (one loop over the flat
+head index f = item * G / W + head, each head's item and coordinates recomputed from f, so no
+per-item value is held across heads), so the next item's first heads load under this one's
+last, and no O store is drained before the last item. With `reload_band` each item loads its
+whole band in order instead (one TMA each for K and V, after the same releases): no rotated
+columns. Not with overlap_heads. On the H200 (2026-12-07) the first form, with a loop over items
+around the loop over heads, spilled registers (ptxas: 484 bytes) and ran at 0.340 ms against
+the grid's 0.230 on the window anchor.
 
 Implemented: causal and (left, right) windows in both alignments, any scale, GQA/MQA,
 Dqk != Dv, bf16/f16, tails (wrapper padding), the soft cap, off-by-one and learnable sinks
@@ -132,9 +137,11 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
                           diagonal_offset=spec.diagonal_offset, block_q=ROWS, block_kv=bkv)
         return jnp.clip(r.lo, 0, nk - nb)
 
+    ring = bs.persistent and not bs.reload_band  # the band a ring of its tiles
+
     def tile_in(lo, s):
-        """The band's tile in slot s: persistent, the one that is s modulo nb; else lo + s."""
-        return lo + lax.rem(s - lax.rem(lo, nb) + nb, nb) if bs.persistent else lo + s
+        """The band's tile in slot s: in the ring, the one that is s modulo nb; else lo + s."""
+        return lo + lax.rem(s - lax.rem(lo, nb) + nb, nb) if ring else lo + s
 
     def head_of(kv_head, t):
         return kv_head * G + wg + t * W
@@ -150,7 +157,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
                                 q_smem.at[wg, buf], q_ready.at[wg * nq + buf])
 
     def slot_changes(i):
-        """Persistent: per slot, whether item i's band tile there is not item i - 1's (every
+        """The ring: per slot, whether item i's band tile there is not item i - 1's (every
         slot at the CTA's first item and where the kv head or batch changes)."""
         batch, kv_head, block = coords(i)
         p_batch, p_kv_head, p_block = coords(jnp.maximum(i - 1, 0))
@@ -159,12 +166,12 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         return [jnp.logical_not(same & (tile_in(lo, s) == tile_in(p_lo, s))) for s in range(nb)]
 
     def load_band(i, which):
-        """Item i's K (which 0) or V (1) by TMA: the whole band at once, or persistent, the
+        """Item i's K (which 0) or V (1) by TMA: the whole band at once, or in the ring, the
         tiles item i - 1 did not hold, each into its slot."""
         ref, smem, ready = (k_ref, k_smem, k_ready) if which == 0 else (v_ref, v_smem, v_ready)
         batch, kv_head, block = coords(i)
         lo = band_lo(block)
-        if not bs.persistent:
+        if not ring:
             plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(lo * bkv, band), kv_head], smem, ready.at[0])
             return
         for s, changed in enumerate(slot_changes(i)):
@@ -263,7 +270,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
         # (indices made here, not before the loop, so they are not live across it)
         i = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 0, layout=plgpu.Layout.WGMMA)
         j = plgpu.broadcasted_iota(jnp.int32, (ROWS, band), 1, layout=plgpu.Layout.WGMMA)
-        if bs.persistent:  # column j is slot j // bkv's tile: the band rotated by lo % nb slots
+        if ring:  # column j is slot j // bkv's tile: the band rotated by lo % nb slots
             rot = lax.rem(lo, nb)
             key = j + (lo - rot) * bkv + jnp.where(j < rot * bkv, band, 0)
         else:
@@ -317,90 +324,86 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
 
         return pl.run_scoped(qk, plgpu.ACC((ROWS, band), jnp.float32))
 
-    def run_item(i):
-        """The warpgroup's heads of item i (flat heads i * heads ...); persistent, its last
-        reads of K and V free their slots for item i + 1's tiles."""
+    def where(f):
+        """(batch, head, row0) of flat head f, and its item's (item i, head t, kv head, band lo)."""
+        i, t = item_head(f)
         batch, kv_head, block = coords(i)
-        lo, row0, f0 = band_lo(block), block * ROWS, i * heads
-        changes = slot_changes(i) if bs.persistent else None
-        wait_band(changes, 0)
+        return (batch, head_of(kv_head, t), block * ROWS), (i, t, kv_head, band_lo(block))
 
-        def wait_v(t):  # V, once, before the item's first P·V
-            if isinstance(t, int):
-                if t == 0:
-                    wait_band(changes, 1)
-            else:
-                pl.when(t == 0)(lambda: wait_band(changes, 1))
+    def changes(i):  # the ring: which slots item i loads; else None (one barrier)
+        return slot_changes(i) if ring else None
 
-        def where(t):
-            return batch, head_of(kv_head, t), row0
-
-        def one_head(t, carry):
-            f, last = f0 + t, t == heads - 1
-            wait_q(f)
-            turn_wait(skip=(f == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
-            s = s_of(f, turn_signal)
-            load_ahead(f)
-            free_band(i, 0, last)
-            p16, m_safe, l = softmax(s, head_of(kv_head, t), row0, lo)
-            load_next(i, 0, last)
-            wait_v(t)
-            turn_wait()
-            end = (f + 1 == total) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
-            acc = pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: turn_signal(skip=end))
-            free_band(i, 1, last)
-            finish(f, where(t), acc, *stats(m_safe, l))
-            load_next(i, 1, last)
-            return carry
-
-        def overlapped_head(t, s):
-            """Head t from its S: P·V_t and S_{t+1} in flight together, O_t written under
-            S_{t+1} (the interpreter: P·V through SMEM, O_t, then S_{t+1}); returns S_{t+1}.
-            Q_{t+1} is awaited after P·V's issue, so a late load holds back only S; the row
-            statistics are taken before the GEMMs, so only O's scaling and stores run beside S
-            in flight."""
-            f = f0 + t
-            p16, m_safe, l = softmax(s, head_of(kv_head, t), row0, lo)
-            inv, lse = stats(m_safe, l)
-            wait_v(t)
-            if interpret:
-                finish(f, where(t), parts.pv_from_smem(zeros(spec.v_dim), p16, v_smem, p_wg,
-                                                       lambda: None), inv, lse)
-                wait_q(f + 1)
-                s = s_of(f + 1)
-            else:
-                def pair(refs):
-                    o_ref, s_ref = refs
-                    plgpu.wgmma(o_ref, p16, v_smem)
-                    wait_q(f + 1)
-                    issue_s(s_ref, f + 1)
-                    finish(f, where(t), plgpu.wgmma_accumulator_load(o_ref, wait_n=1), inv, lse)
-
-                _, s = pl.run_state(pair)((plgpu.ACC.init(zeros(spec.v_dim)), plgpu.ACC.init(zeros(band))))
-            load_ahead(f + 1)
-            return s
-
-        if bs.overlap_heads:
-            wait_q(f0)
-            s = s_of(f0)
-            load_ahead(f0)
-            s = lax.fori_loop(0, heads - 1, overlapped_head, s)
-            t = heads - 1
-            free_band(i, 0, True)
-            p16, m_safe, l = softmax(s, head_of(kv_head, t), row0, lo)
-            load_next(i, 0, True)
-            wait_v(t)
-            acc = pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: None)
-            free_band(i, 1, True)
-            finish(f0 + t, where(t), acc, *stats(m_safe, l))
-            load_next(i, 1, True)
+    def at_first(t, fn):  # fn() at an item's first head
+        if isinstance(t, int):
+            if t == 0:
+                fn()
         else:
-            lax.fori_loop(0, heads, one_head, 0)
+            pl.when(t == 0)(fn)
 
-    if bs.persistent:
-        lax.fori_loop(0, num_items, lambda i, carry: (run_item(i), carry)[1], 0)
+    def one_head(f, carry):
+        """Flat head f; persistent, an item's first head waits for its band's new tiles and its
+        last frees them for the next item's."""
+        out_at, (i, t, kv_head, lo) = where(f)
+        last = t == heads - 1
+        if bs.persistent:
+            at_first(t, lambda: wait_band(changes(i), 0))
+        wait_q(f)
+        turn_wait(skip=(f == 0) & (wg == 0))  # warpgroup 0's first GEMM waits for no one
+        s = s_of(f, turn_signal)
+        load_ahead(f)
+        free_band(i, 0, last)
+        p16, m_safe, l = softmax(s, out_at[1], out_at[2], lo)
+        load_next(i, 0, last)
+        at_first(t, lambda: wait_band(changes(i), 1))
+        turn_wait()
+        end = (f + 1 == total) & (wg == W - 1)  # the last warpgroup's last GEMM signals no one
+        acc = pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: turn_signal(skip=end))
+        free_band(i, 1, last)
+        finish(f, out_at, acc, *stats(m_safe, l))
+        load_next(i, 1, last)
+        return carry
+
+    def overlapped_head(t, s):
+        """Head t from its S (one item: not persistent): P·V_t and S_{t+1} in flight together,
+        O_t written under S_{t+1} (the interpreter: P·V through SMEM, O_t, then S_{t+1});
+        returns S_{t+1}. Q_{t+1} is awaited after P·V's issue, so a late load holds back only
+        S; the row statistics are taken before the GEMMs, so only O's scaling and stores run
+        beside S in flight."""
+        out_at, (_, _, _, lo) = where(t)
+        p16, m_safe, l = softmax(s, out_at[1], out_at[2], lo)
+        inv, lse = stats(m_safe, l)
+        at_first(t, lambda: wait_band(None, 1))
+        if interpret:
+            finish(t, out_at, parts.pv_from_smem(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: None),
+                   inv, lse)
+            wait_q(t + 1)
+            s = s_of(t + 1)
+        else:
+            def pair(refs):
+                o_ref, s_ref = refs
+                plgpu.wgmma(o_ref, p16, v_smem)
+                wait_q(t + 1)
+                issue_s(s_ref, t + 1)
+                finish(t, out_at, plgpu.wgmma_accumulator_load(o_ref, wait_n=1), inv, lse)
+
+            _, s = pl.run_state(pair)((plgpu.ACC.init(zeros(spec.v_dim)), plgpu.ACC.init(zeros(band))))
+        load_ahead(t + 1)
+        return s
+
+    if not bs.persistent:
+        wait_band(None, 0)  # K, before the first S
+    if bs.overlap_heads:
+        wait_q(0)
+        s = s_of(0)
+        load_ahead(0)
+        s = lax.fori_loop(0, heads - 1, overlapped_head, s)
+        last = heads - 1
+        out_at, (_, _, _, lo) = where(last)
+        p16, m_safe, l = softmax(s, out_at[1], out_at[2], lo)
+        at_first(last, lambda: wait_band(None, 1))
+        finish(last, out_at, pv(zeros(spec.v_dim), p16, v_smem, p_wg, lambda: None), *stats(m_safe, l))
     else:
-        run_item(0)
+        lax.fori_loop(0, total, one_head, 0)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -428,7 +431,7 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
                None if spec.qk_dim == spec.v_dim else smem_tile((W, nq, ROWS, spec.v_dim), dtype),
                plgpu.SMEM((W, nq, ROWS), jnp.float32),
                smem_tile((W, ROWS, band), dtype) if interpret else None,
-               *[plgpu.Barrier(num_barriers=nb if bs.persistent else 1)] * 2,
+               *[plgpu.Barrier(num_barriers=nb if bs.persistent and not bs.reload_band else 1)] * 2,
                plgpu.Barrier(num_barriers=nq * W),
                plgpu.Barrier(num_arrivals=W, num_barriers=2) if bs.persistent else None]
 

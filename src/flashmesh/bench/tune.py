@@ -78,16 +78,17 @@ def candidates(spec, limit: int | None = None) -> list:
                for kv, w, p, (nq, a) in itertools.product((64, 128), (2, 1), (False, True),
                                                           ((2, 1), (3, 2), (3, 1), (4, 3), (4, 2)))
                if w == 2 or not p)
-    # today's config's twins: on a persistent grid; for the window kernel, on the other grid
-    # (persistent or not), with the other overlap_heads (P·V with the next head's S), both
+    # today's config's twins: on a persistent grid; for the window kernel, its plain form
+    # (neither persistent nor overlap_heads), then persistent with the band a ring and with it
+    # reloaded, and with overlap_heads (P·V with the next head's S)
     twins = ([dataclasses.replace(default, persistent=p, reuse_q_for_o=r) for p, r in PERSISTENT]
              if isinstance(default, common.BlockSizes) and default.num_splits == 1 else [])
-    if isinstance(default, common.WindowBlockSizes):
-        twins = [dataclasses.replace(default, persistent=not default.persistent)]
+    if isinstance(default, common.WindowBlockSizes):  # (persistent excludes overlap_heads)
+        plain = dataclasses.replace(default, persistent=False, reload_band=False, overlap_heads=False)
+        twins = [dataclasses.replace(plain, persistent=True), dataclasses.replace(plain, persistent=True, reload_band=True)]
         if not default.pingpong:
-            twins += [dataclasses.replace(default, overlap_heads=not default.overlap_heads),
-                      dataclasses.replace(default, overlap_heads=not default.overlap_heads,
-                                          persistent=not default.persistent)]
+            twins.append(dataclasses.replace(plain, overlap_heads=True))
+        twins = [plain] + twins
     for bs in itertools.chain([default], twins, windows, (common.BlockSizes(block_q=bq, num_compute_wgs=w, block_kv=kv,
                                                                       num_stages=st, intra_wg_overlap=ov)
                                                    for (bq, w), kv, st, ov in grid)):
