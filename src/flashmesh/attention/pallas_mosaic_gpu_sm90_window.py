@@ -105,9 +105,9 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
     # k_smem [band, Dqk], v_smem [band, Dv]; q_smem [W, nq, 64, Dqk]; o_smem [W, nq, 64, Dv] or
     # None (O in the Q buffer); lse_smem [W, nq, 64] f32; p_smem [W, 64, band] or None
     # (nq = bs.q_buffers: flat head f's Q, then its O, in slot f % nq). k_ready, v_ready: one
-    # barrier (the band in one TMA) or, persistent, nb (slot s holds the band's tile that is s
-    # modulo nb); kv_free: persistent only, 2 barriers of W arrivals (every warpgroup past its
-    # reads of an item's K, of its V) or None.
+    # barrier (the band in one TMA) or, persistent with the band a ring, nb (slot s holds the
+    # band's tile that is s modulo nb); kv_free: persistent only, 2 barriers of W arrivals
+    # (every warpgroup past its reads of an item's K, of its V) or None.
     W, bkv, G, nq, ahead = bs.num_compute_wgs, bs.block_kv, spec.group_size, bs.q_buffers, bs.ahead
     band, dtype = nb * bkv, jnp.dtype(spec.dtype)
     wg = lax.axis_index("wg")
