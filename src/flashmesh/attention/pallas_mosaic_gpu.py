@@ -169,6 +169,11 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
                    f"per 64 queries shared by {fwd.num_compute_wgs} warpgroups over the group's "
                    f"{spec.group_size} heads{' in ping-pong' if fwd.pingpong else ''}, "
                    f"{fwd.q_buffers} Q buffers each, loads {fwd.ahead} head(s) ahead")
+        if fwd.persistent:
+            forward += (", persistent (one CTA per SM over runs of neighbouring blocks, the band "
+                        + ("reloaded per block)" if fwd.reload_band else "a ring of its tiles)"))
+        if fwd.overlap_heads:
+            forward += ", each head's P·V beside the next head's S"
     else:
         forward = (f"forward tiles {fwd.block_q}x{fwd.block_kv}, {fwd.num_stages} stages, "
                    f"{fwd.num_compute_wgs} compute warpgroups")
