@@ -513,6 +513,11 @@ class WindowBlockSizes:
             object.__setattr__(self, "q_ahead", None)
 
     @property
+    def band_ring(self) -> bool:
+        """Whether the band is a ring of its tiles (persistent without reload_band)."""
+        return self.persistent and not self.reload_band
+
+    @property
     def ahead(self) -> int:
         """How many heads ahead a warpgroup loads Q (q_ahead, or its default q_buffers - 1)."""
         return self.q_buffers - 1 if self.q_ahead is None else self.q_ahead
@@ -550,8 +555,7 @@ class WindowBlockSizes:
         o = 0 if spec.qk_dim == spec.v_dim else aligned(slots * WINDOW_ROWS * spec.v_dim * size)
         return (aligned(band * spec.qk_dim * size) + aligned(band * spec.v_dim * size)
                 + aligned(slots * WINDOW_ROWS * spec.qk_dim * size) + o + aligned(slots * WINDOW_ROWS * 4)
-                + 8 * (slots + 2 * (self.band_tiles(spec) if self.persistent and not self.reload_band else 1)
-                       + 2 * self.persistent))
+                + 8 * (slots + 2 * (self.band_tiles(spec) if self.band_ring else 1) + 2 * self.persistent))
 
 
 def window_reason(spec: AttentionSpec, bs: "WindowBlockSizes | None" = None) -> str | None:

@@ -137,7 +137,7 @@ def _kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, k_smem, v_smem, q_s
                           diagonal_offset=spec.diagonal_offset, block_q=ROWS, block_kv=bkv)
         return jnp.clip(r.lo, 0, nk - nb)
 
-    ring = bs.persistent and not bs.reload_band  # the band a ring of its tiles
+    ring = bs.band_ring
 
     def tile_in(lo, s):
         """The band's tile in slot s: in the ring, the one that is s modulo nb; else lo + s."""
@@ -431,7 +431,7 @@ def forward_spec(q, k, v, spec: AttentionSpec, *, sink=None, block_sizes: Window
                None if spec.qk_dim == spec.v_dim else smem_tile((W, nq, ROWS, spec.v_dim), dtype),
                plgpu.SMEM((W, nq, ROWS), jnp.float32),
                smem_tile((W, ROWS, band), dtype) if interpret else None,
-               *[plgpu.Barrier(num_barriers=nb if bs.persistent and not bs.reload_band else 1)] * 2,
+               *[plgpu.Barrier(num_barriers=nb if bs.band_ring else 1)] * 2,
                plgpu.Barrier(num_barriers=nq * W),
                plgpu.Barrier(num_arrivals=W, num_barriers=2) if bs.persistent else None]
 
