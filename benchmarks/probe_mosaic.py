@@ -149,10 +149,10 @@ FWD_ALT = [dict(), dict(persistent=True, reuse_q_for_o=False), dict(intra_wg_ove
 
 def forward_alternated(q, k, v, window, out_ref):
     """`--fwd-alt`: FWD_ALT's configs over the table's, timed in alternated rounds."""
-    from flashmesh.attention import pallas_mosaic_gpu_common as common
+    from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 
     spec = sm90.spec_for(q, k, v, scale=q.shape[-1] ** -0.5, window=window)
-    today = common.default_for(spec, jax.devices()[0].device_kind)
+    today = config_table.default_for(spec, jax.devices()[0].device_kind)
     print(f"  table's config: {today}", flush=True)
     seen = set()
 
@@ -346,9 +346,10 @@ def window_parts(q, k, v, window, out_ref):
     from flashmesh.attention import pallas_mosaic_gpu_common as common
     from flashmesh.attention import pallas_mosaic_gpu_sm90_parts as parts
     from flashmesh.attention import pallas_mosaic_gpu_sm90_window as window_kernel
+    from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 
     spec = sm90.spec_for(q, k, v, scale=q.shape[-1] ** -0.5, window=window)
-    bs = common.default_for(spec, jax.devices()[0].device_kind)
+    bs = config_table.default_for(spec, jax.devices()[0].device_kind)
     print(f"  table's config: {bs}", flush=True)
     if not isinstance(bs, common.WindowBlockSizes):
         print("  --window-parts: the table gives this call the general kernel; nothing to do")

@@ -1,4 +1,4 @@
-"""Planning of the Mosaic GPU kernels (pallas_mosaic_gpu_common): tile ranges against a
+"""Planning of the Mosaic GPU kernels (pallas_mosaic_gpu_ranges, _common and _table): tile ranges against a
 brute-force dense element mask, LPT orders, KV splits, BlockSizes and the config table."""
 
 import dataclasses
@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_common as mg
+from flashmesh.attention import pallas_mosaic_gpu_ranges as tile_ranges
+from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -111,7 +113,7 @@ def test_static_ranges_match_dense_mask(T, S, bq, bk, left, right, bottom_right)
     vis = dense_visible(T, S, (left, right), spec.diagonal_offset, bq, bk)
     cls = tile_classes(vis, T, bq, bk)
 
-    r = mg.kv_ranges(spec, bq, bk)
+    r = tile_ranges.kv_ranges(spec, bq, bk)
     assert r.lo.shape == (nq,) and all(x.dtype == np.int32 for x in r)
     np.testing.assert_array_equal(as_array(r), expected_ranges(cls))
     check_against_dense(r, vis, T, bq, bk)
@@ -119,7 +121,7 @@ def test_static_ranges_match_dense_mask(T, S, bq, bk, left, right, bottom_right)
     assert (cls[inside] != masks.EMPTY).all() and (cls[~inside] == masks.EMPTY).all()
     np.testing.assert_array_equal(full, cls == masks.FULL)  # the FULL tiles are one run
 
-    q = mg.q_ranges(spec, bq, bk)
+    q = tile_ranges.q_ranges(spec, bq, bk)
     assert q.lo.shape == (nk,)
     np.testing.assert_array_equal(as_array(q), expected_ranges(cls.T))
     check_against_dense(q, vis, T, bq, bk, transpose=True)
@@ -127,17 +129,17 @@ def test_static_ranges_match_dense_mask(T, S, bq, bk, left, right, bottom_right)
     np.testing.assert_array_equal(q_inside, inside)  # the same (query tile, key tile) pairs
     np.testing.assert_array_equal(q_full, full)
 
-    closed = mg.band_kv_range(np.arange(nq), q_len=T, kv_len=S, window=(left, right),
+    closed = tile_ranges.band_kv_range(np.arange(nq), q_len=T, kv_len=S, window=(left, right),
                               diagonal_offset=spec.diagonal_offset, block_q=bq, block_kv=bk)
     np.testing.assert_array_equal(as_array(closed), as_array(r))
 
-    for ranges, order in ((r, mg.q_tile_order(r)), (q, mg.kv_tile_order(q))):
+    for ranges, order in ((r, tile_ranges.q_tile_order(r)), (q, tile_ranges.kv_tile_order(q))):
         np.testing.assert_array_equal(np.sort(order), np.arange(len(ranges.lo)))
         work = ranges.count[order]
         assert (np.diff(work) <= 0).all()
 
     splits = int(np.random.default_rng(T * S).integers(1, 5))
-    parts = as_array(mg.split_ranges(r, splits))  # [splits, nq, 4]
+    parts = as_array(tile_ranges.split_ranges(r, splits))  # [splits, nq, 4]
     for a in range(nq):
         tiles = [t for lo, _, _, hi in parts[:, a] for t in range(lo, hi)]
         assert tiles == list(range(r.lo[a], r.hi[a]))
@@ -157,8 +159,8 @@ def test_small_shapes_exhaustively():
                         vis = dense_visible(T, S, window, spec.diagonal_offset, bq, bk)
                         want = expected_ranges(tile_classes(vis, T, bq, bk))
                         nq = -(-T // bq)
-                        np.testing.assert_array_equal(as_array(mg.kv_ranges(spec, bq, bk)), want)
-                        closed = mg.band_kv_range(
+                        np.testing.assert_array_equal(as_array(tile_ranges.kv_ranges(spec, bq, bk)), want)
+                        closed = tile_ranges.band_kv_range(
                             np.arange(nq + 2), q_len=T, kv_len=S, window=window,
                             diagonal_offset=spec.diagonal_offset, block_q=bq, block_kv=bk)
                         np.testing.assert_array_equal(as_array(closed)[:nq], want)
@@ -170,11 +172,11 @@ def test_closed_form_traced_and_causal_lpt():
     spec = make_spec(T, S, (-1, 0), bottom_right=True)
     kw = dict(q_len=T, kv_len=S, window=spec.window, diagonal_offset=spec.diagonal_offset,
               block_q=bq, block_kv=bk)
-    traced = jax.jit(lambda t: mg.band_kv_range(t, **kw))(jnp.arange(5, dtype=jnp.int32))
-    np.testing.assert_array_equal(as_array(traced), as_array(mg.kv_ranges(spec, bq, bk)))
-    square = mg.kv_ranges(make_spec(512, 512, (-1, 0)), 64, 64)
-    np.testing.assert_array_equal(mg.q_tile_order(square), np.arange(8)[::-1])
-    np.testing.assert_array_equal(mg.kv_tile_order(mg.q_ranges(make_spec(512, 512, (-1, 0)), 64, 64)),
+    traced = jax.jit(lambda t: tile_ranges.band_kv_range(t, **kw))(jnp.arange(5, dtype=jnp.int32))
+    np.testing.assert_array_equal(as_array(traced), as_array(tile_ranges.kv_ranges(spec, bq, bk)))
+    square = tile_ranges.kv_ranges(make_spec(512, 512, (-1, 0)), 64, 64)
+    np.testing.assert_array_equal(tile_ranges.q_tile_order(square), np.arange(8)[::-1])
+    np.testing.assert_array_equal(tile_ranges.kv_tile_order(tile_ranges.q_ranges(make_spec(512, 512, (-1, 0)), 64, 64)),
                                   np.arange(8))
 
 
@@ -202,10 +204,10 @@ def test_dynamic_ranges_from_segments(window):
     inputs = AttentionInputs(q=None, k=None, v=None, q_segment_ids=jnp.asarray(ids),
                              kv_segment_ids=jnp.asarray(ids), q_positions=jnp.asarray(pos),
                              kv_positions=jnp.asarray(pos))
-    kv, q = jax.jit(lambda x: (mg.kv_ranges(spec, bq, bk, x), mg.q_ranges(spec, bq, bk, x)))(inputs)
-    order = jax.jit(mg.q_tile_order)(kv)
+    kv, q = jax.jit(lambda x: (tile_ranges.kv_ranges(spec, bq, bk, x), tile_ranges.q_ranges(spec, bq, bk, x)))(inputs)
+    order = jax.jit(tile_ranges.q_tile_order)(kv)
     assert kv.lo.shape == (B, -(-L // bq)) and q.lo.shape == (B, -(-L // bk))
-    bound, q_bound = mg.kv_ranges(spec, bq, bk), mg.q_ranges(spec, bq, bk)
+    bound, q_bound = tile_ranges.kv_ranges(spec, bq, bk), tile_ranges.q_ranges(spec, bq, bk)
     nq, nk = -(-L // bq), -(-L // bk)
     for b in range(B):
         d = pos[b][:, None] - pos[b][None, :]
@@ -228,8 +230,8 @@ def test_dynamic_ranges_from_segments(window):
 
 def test_padding_bound_is_the_band():
     spec = make_spec(130, 130, (-1, 0), segments="padding")
-    band = mg.kv_ranges(make_spec(130, 130, (-1, 0)), 32, 32)
-    bound = mg.kv_ranges(spec, 32, 32)
+    band = tile_ranges.kv_ranges(make_spec(130, 130, (-1, 0)), 32, 32)
+    bound = tile_ranges.kv_ranges(spec, 32, 32)
     np.testing.assert_array_equal(bound.lo, band.lo)
     np.testing.assert_array_equal(bound.hi, band.hi)
     assert (bound.full_lo == bound.full_hi).all()
@@ -328,46 +330,46 @@ ANCHORS = {  # name: (spec, expected (block_q, block_kv, num_stages, num_compute
 @pytest.mark.parametrize("name", sorted(ANCHORS))
 def test_default_for_anchors(name):
     spec, expected = ANCHORS[name]
-    entry = mg.matching_entry(spec, H100)
+    entry = config_table.matching_entry(spec, H100)
     assert entry is not None and entry["anchor"] == name
     # a tuned entry names the run that measured it (benchmarks/results/*-tune/)
     assert entry["tuned"] is ("flashmesh tune" in entry["source"])
     for kind in (H100, "NVIDIA H200"):
-        bs = mg.default_for(spec, kind)
+        bs = config_table.default_for(spec, kind)
         if isinstance(expected, mg.WindowBlockSizes):  # the window kernel's entry
             assert bs == expected
             continue
         assert (bs.block_q, bs.block_kv, bs.num_stages, bs.num_compute_wgs) == expected
     if isinstance(bs, mg.BlockSizes):
-        assert mg.split_kv(spec, bs) == 1  # every anchor fills the chip
+        assert config_table.split_kv(spec, bs) == 1  # every anchor fills the chip
 
 
 def test_default_for_heuristic_and_devices():
     for spec in (make_spec(1000, 3000, Dqk=96), make_spec(40, 40, Dqk=64),
                  make_spec(2048, 2048, (-1, 0), Dqk=128, dtype="float8_e4m3fn"),
                  make_spec(512, 512, (63, 64), Dqk=192, Dv=128), make_spec(512, 512, Dqk=256)):
-        assert mg.matching_entry(spec, H100) is None
-        bs = mg.default_for(spec, H100)
-        assert bs == mg.heuristic(spec) and bs.smem_bytes(spec) <= mg.SMEM_BYTES
-    assert mg.default_for(make_spec(40, 40, Dqk=64), H100).num_compute_wgs == 1
-    assert mg.default_for(make_spec(2048, 2048, Dqk=128, dtype="float8_e4m3fn"), H100).block_kv == 128
-    assert mg.default_for(make_spec(512, 512, (63, 64), Dqk=192, Dv=128), H100).block_kv == 64
+        assert config_table.matching_entry(spec, H100) is None
+        bs = config_table.default_for(spec, H100)
+        assert bs == config_table.heuristic(spec) and bs.smem_bytes(spec) <= mg.SMEM_BYTES
+    assert config_table.default_for(make_spec(40, 40, Dqk=64), H100).num_compute_wgs == 1
+    assert config_table.default_for(make_spec(2048, 2048, Dqk=128, dtype="float8_e4m3fn"), H100).block_kv == 128
+    assert config_table.default_for(make_spec(512, 512, (63, 64), Dqk=192, Dv=128), H100).block_kv == 64
     # no band mask: persistent, O in its own buffer where it fits (d96: 2 stages of 128 keys
     # plus Q and O fit); a causal call keeps the launch grid
-    full = mg.default_for(make_spec(4000, 4000, N=32, K=8, Dqk=96), H100)
+    full = config_table.default_for(make_spec(4000, 4000, N=32, K=8, Dqk=96), H100)
     assert full.persistent and not full.reuse_q_for_o
-    assert not mg.heuristic(make_spec(4000, 4000, (-1, 0), N=32, K=8, Dqk=96)).persistent
+    assert not config_table.heuristic(make_spec(4000, 4000, (-1, 0), N=32, K=8, Dqk=96)).persistent
     # a persistent table entry (full_4k_h16_d128's) on a call too small to fill the chip: KV
     # splits on the launch grid instead
-    small = mg.default_for(make_spec(200, 136, N=4, K=1, Dqk=128), H100)
+    small = config_table.default_for(make_spec(200, 136, N=4, K=1, Dqk=128), H100)
     assert small.num_splits > 1 and not small.persistent
     with pytest.raises(NotImplementedError, match="Hopper"):
-        mg.default_for(make_spec(128, 128), "NVIDIA A100-SXM4-80GB")
+        config_table.default_for(make_spec(128, 128), "NVIDIA A100-SXM4-80GB")
 
 
 def test_table_entries_all_validate_and_are_reachable():
-    raw = json.loads(mg.CONFIGS_PATH.read_text())
-    table = mg.load_table()
+    raw = json.loads(config_table.CONFIGS_PATH.read_text())
+    table = config_table.load_table()
     assert raw == table and len(table["entries"]) >= 7
     for entry in table["entries"]:
         key = entry["key"]
@@ -379,14 +381,14 @@ def test_table_entries_all_validate_and_are_reachable():
         for dtype in key["dtypes"]:
             spec = make_spec(L, L, window, N=8 * group, K=8, Dqk=key["qk_dim"], Dv=key["v_dim"],
                              dtype=dtype)
-            assert mg.matching_entry(spec, H100) is entry, entry["anchor"]
-            assert mg.default_for(spec, H100) == mg.forward_config(entry["config"]).validate_for(spec)
+            assert config_table.matching_entry(spec, H100) is entry, entry["anchor"]
+            assert config_table.default_for(spec, H100) == config_table.forward_config(entry["config"]).validate_for(spec)
 
 
 def test_backward_entries_validate_and_are_reachable(tmp_path):
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_tiles as bwd_tiles
 
-    entries = mg.load_table()["backward_entries"]
+    entries = config_table.load_table()["backward_entries"]
     assert len(entries) >= 4 and all(e["tuned"] for e in entries)
     for entry in entries:  # a call of each key's kind (its group, a window within its bound)
         key = entry["key"]
@@ -398,30 +400,30 @@ def test_backward_entries_validate_and_are_reachable(tmp_path):
         assert bwd_tiles.default_for(spec) == bwd_tiles.BackwardBlockSizes(**entry["config"])
     assert bwd_tiles.measured_entry(make_spec(4096, 4096, (128, 0), Dqk=64)) is None  # windows
     assert bwd_tiles.measured_entry(make_spec(4096, 4096, Dqk=64)) is None  # full d64: only 128 timed
-    raw = json.loads(mg.CONFIGS_PATH.read_text())
+    raw = json.loads(config_table.CONFIGS_PATH.read_text())
     raw["backward_entries"].append(dict(raw["backward_entries"][0], config={"block_q": 32}))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="BackwardBlockSizes.block_q=32"):
-        mg.load_table(str(bad))
+        config_table.load_table(str(bad))
     raw["backward_entries"][-1]["config"] = raw["backward_entries"][0]["config"]
     bad.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=rf"backward_entries\[{len(entries)}\] repeats the key"):
-        mg.load_table(str(bad))
+        config_table.load_table(str(bad))
 
 
 def test_split_kv_for_decoding():
     spec = make_spec(64, 32768, (-1, 0), bottom_right=True, N=8, K=1, Dqk=128)
     bs = mg.BlockSizes(block_q=64, num_compute_wgs=1)
-    s = mg.split_kv(spec, bs)
-    longest = int(mg.kv_ranges(spec, 64, 128).count.max())
+    s = config_table.split_kv(spec, bs)
+    longest = int(tile_ranges.kv_ranges(spec, 64, 128).count.max())
     assert 1 < s <= longest and 8 * s >= 0.8 * 132 * 0.85  # the splits fill most of a wave
-    assert mg.split_kv(make_spec(64, 64, N=8), bs) == 1  # one key tile: nothing to split
+    assert config_table.split_kv(make_spec(64, 64, N=8), bs) == 1  # one key tile: nothing to split
     with pytest.raises(ValueError, match="num_sms=0"):
-        mg.split_kv(spec, bs, num_sms=0)
+        config_table.split_kv(spec, bs, num_sms=0)
     # the configuration a decoding call gets splits its keys that way
-    chosen = mg.default_for(spec, H100)
-    assert chosen.num_splits == mg.split_kv(spec, chosen) > 1, chosen
+    chosen = config_table.default_for(spec, H100)
+    assert chosen.num_splits == config_table.split_kv(spec, chosen) > 1, chosen
     with pytest.raises(ValueError, match="num_splits=0 must be in"):
         mg.BlockSizes(num_splits=0)
 
@@ -429,9 +431,9 @@ def test_split_kv_for_decoding():
 def test_split_part_in_a_kernel_is_split_ranges():
     """The scalar form the kernel evaluates per CTA equals the array form, split by split."""
     spec = make_spec(300, 1000, (200, 0), bottom_right=True)
-    r = mg.kv_ranges(spec, 64, 64)
-    parts = mg.split_ranges(r, 5)
+    r = tile_ranges.kv_ranges(spec, 64, 64)
+    parts = tile_ranges.split_ranges(r, 5)
     for s in range(5):
         for i in range(len(r.lo)):
-            one = mg.split_part(mg.TileRanges(*(jnp.int32(x[i]) for x in r)), jnp.int32(s), 5)
+            one = tile_ranges.split_part(tile_ranges.TileRanges(*(jnp.int32(x[i]) for x in r)), jnp.int32(s), 5)
             assert tuple(int(x) for x in one) == tuple(int(x[s, i]) for x in parts), (s, i)

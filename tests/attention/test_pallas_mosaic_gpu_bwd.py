@@ -32,7 +32,7 @@ from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_tiles import band_q_range
 from flashmesh.attention import reference
-from flashmesh.attention.pallas_mosaic_gpu_common import q_ranges
+from flashmesh.attention.pallas_mosaic_gpu_ranges import q_ranges
 from flashmesh.attention.spec import AttentionInputs
 from mosaic_testing import interpreter, kernel_lengths, rel_l2  # noqa: F401  (interpreter: a fixture)
 
@@ -507,7 +507,7 @@ def test_wg_ranges_cover_every_visible_pair(T, S, window, bottom_right, rows_q, 
     (W * rows_kv keys, query steps of rows_q) and per dQ CTA (W * rows_q queries, key steps of
     rows_kv), every streamed tile outside a warpgroup's clamped range is invisible to its rows,
     and the FULL run is fully visible to them. The window anchor's form saves a step per head."""
-    from flashmesh.attention.pallas_mosaic_gpu_common import band_kv_range, clamp_within
+    from flashmesh.attention.pallas_mosaic_gpu_ranges import band_kv_range, clamp_within
 
     kv = jnp.zeros((1, S, 1, 64), jnp.bfloat16)
     spec = sm90.spec_for(jnp.zeros((1, T, 1, 64), jnp.bfloat16), kv, kv, scale=1.0,

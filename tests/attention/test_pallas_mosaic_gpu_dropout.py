@@ -313,10 +313,10 @@ def test_gpu_path_lowers_on_cpu(T, D, window, blocks, back, monkeypatch):
 
 def test_config_fits_dropout_hashes_in_shared_memory(monkeypatch):
     """A table entry that fills shared memory loses a stage for the row hashes."""
-    from flashmesh.attention import pallas_mosaic_gpu_common as common
+    from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 
     full = BlockSizes(block_q=128, block_kv=128, num_stages=3)
-    monkeypatch.setattr(common, "default_for", lambda spec, kind: full)
+    monkeypatch.setattr(config_table, "default_for", lambda spec, kind: full)
     q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
     plain = normalize(q, q, q, softmax="learnable", sink=jnp.zeros((2,)))[1]
     spec = dataclasses.replace(plain, dropout_rate=0.1)

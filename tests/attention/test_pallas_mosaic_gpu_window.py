@@ -32,6 +32,7 @@ from flashmesh.attention import pallas_mosaic_gpu as pmg
 from flashmesh.attention import pallas_mosaic_gpu_common as common
 from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
 from flashmesh.attention import pallas_mosaic_gpu_sm90_window as window
+from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 from flashmesh.attention.api import normalize
 from flashmesh.attention.pallas_mosaic_gpu_common import WindowBlockSizes
 from flashmesh.attention.spec import EMPTY_ROW_LSE
@@ -293,7 +294,7 @@ def test_where_it_applies_and_is_chosen():
     ]:
         assert words in common.window_reason(spec, bs), (words, common.window_reason(spec, bs))
         assert isinstance(pmg.config(spec, "NVIDIA H200")[0], common.BlockSizes)
-    assert common.heuristic(_spec(N=3, K=1, mask="causal", window=(64, 0))) == WindowBlockSizes(
+    assert config_table.heuristic(_spec(N=3, K=1, mask="causal", window=(64, 0))) == WindowBlockSizes(
         num_compute_wgs=1)
     with pytest.raises(NotImplementedError, match="both sides bounded"):
         bs.validate_for(_spec(mask="causal"))
@@ -335,7 +336,7 @@ def test_where_it_applies_and_is_chosen():
     assert WindowBlockSizes(q_buffers=4).smem_bytes(seed) <= common.SMEM_BYTES
     assert "shared memory" in common.window_reason(_spec(mask="causal", window=(128, 0), D=256),
                                                    WindowBlockSizes(q_buffers=3))
-    fields = common.config_fields(bs)
-    assert fields["kernel"] == "window" and common.forward_config(fields) == bs
-    assert dataclasses.asdict(common.forward_config({"block_q": 128})) == dataclasses.asdict(
+    fields = config_table.config_fields(bs)
+    assert fields["kernel"] == "window" and config_table.forward_config(fields) == bs
+    assert dataclasses.asdict(config_table.forward_config({"block_q": 128})) == dataclasses.asdict(
         common.BlockSizes(block_q=128))

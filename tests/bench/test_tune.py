@@ -11,6 +11,7 @@ import pytest
 
 from flashmesh.attention import pallas_mosaic_gpu_common as common
 from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd_tiles as bwd_tiles
+from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 from flashmesh.bench import cli, tune
 from flashmesh.bench.shapes import ANCHOR_SHAPES
 
@@ -21,7 +22,7 @@ def test_candidates_are_valid_distinct_and_start_with_todays_config():
     spec = tune.spec_of(ANCHORS["causal_8k_h32_d128"])
     found = tune.candidates(spec)
     assert len(found) == len(set(found)) > 4
-    assert found[0] == common.heuristic(spec)  # no Hopper here: the table's fallback
+    assert found[0] == config_table.heuristic(spec)  # no Hopper here: the table's fallback
     for bs in found:
         assert bs.validate_for(spec) == bs and bs.smem_bytes(spec) <= common.SMEM_BYTES
     assert tune.candidates(spec, limit=3) == found[:3]
@@ -46,8 +47,8 @@ def test_table_keys():
         dtypes=["bfloat16", "float16"])
     # a short shape's key does not take the same kind of call at other lengths
     short = tune.table_key(tune.spec_of(ANCHORS["codelab_te_2048"]))
-    assert common.key_matches(short, tune.spec_of(ANCHORS["codelab_te_2048"]))
-    assert not common.key_matches(short, tune.spec_of(ANCHORS["causal_8k_h32_d64"]))
+    assert config_table.key_matches(short, tune.spec_of(ANCHORS["codelab_te_2048"]))
+    assert not config_table.key_matches(short, tune.spec_of(ANCHORS["causal_8k_h32_d64"]))
     assert tune.table_key(tune.spec_of(ANCHORS["seed000_mla"]))["v_dim"] == 64
     assert tune.table_key(tune.spec_of(ANCHORS["full_4k_h16_d128"]))["mask"] == "none"
 
@@ -60,7 +61,7 @@ def _result(name, config, ms=0.5):
 
 def test_write_table_updates_by_anchor_and_appends(tmp_path):
     path = tmp_path / "t.json"
-    path.write_text(common.CONFIGS_PATH.read_text())
+    path.write_text(config_table.CONFIGS_PATH.read_text())
     before = json.loads(path.read_text())["entries"]
     config = dict(block_q=192, block_kv=64, num_stages=2, num_compute_wgs=3, intra_wg_overlap=False)
     results = [_result("seed000_gqa_swa", config), _result("codelab_te_2048", config, 0.1),
@@ -78,7 +79,7 @@ def test_write_table_updates_by_anchor_and_appends(tmp_path):
                                                              reuse_q_for_o=False))], meta)
     full = [e for e in json.loads(path.read_text())["entries"] if e.get("anchor") == "full_4k_h16_d128"]
     assert full[0]["config"] == dict(config, persistent=True, reuse_q_for_o=False)
-    assert common.forward_config(full[0]["config"]).persistent is True
+    assert config_table.forward_config(full[0]["config"]).persistent is True
     # a window-kernel winner keeps its kind
     window = dict(kernel="window", block_kv=64, num_compute_wgs=1)
     tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=window)], meta)
@@ -87,18 +88,18 @@ def test_write_table_updates_by_anchor_and_appends(tmp_path):
     # and the schedule fields that differ from WindowBlockSizes' defaults (the whole config as
     # `tune_shape` reports it): ping-pong and the Q ring survive into the table
     chosen = common.WindowBlockSizes(pingpong=True, q_buffers=3, q_ahead=1)
-    tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=common.config_fields(chosen))], meta)
+    tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=config_table.config_fields(chosen))], meta)
     swa = [e for e in json.loads(path.read_text())["entries"] if e.get("anchor") == "seed000_gqa_swa"]
     assert swa[0]["config"] == dict(kernel="window", block_kv=64, num_compute_wgs=2, pingpong=True,
                                     q_buffers=3, q_ahead=1)
-    assert common.forward_config(swa[0]["config"]) == chosen
+    assert config_table.forward_config(swa[0]["config"]) == chosen
     # q_ahead only where it is not its default for the ring (q_buffers - 1)
     deep = common.WindowBlockSizes(q_buffers=4)
-    tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=common.config_fields(deep))], meta)
+    tune.write_table(path, [dict(_result("seed000_gqa_swa", {}), best=config_table.config_fields(deep))], meta)
     swa = [e for e in json.loads(path.read_text())["entries"] if e.get("anchor") == "seed000_gqa_swa"]
     assert swa[0]["config"] == dict(kernel="window", block_kv=64, num_compute_wgs=2, q_buffers=4)
-    assert common.forward_config(swa[0]["config"]) == deep
-    common.load_table.cache_clear()
+    assert config_table.forward_config(swa[0]["config"]) == deep
+    config_table.load_table.cache_clear()
 
 
 def test_refuses_without_a_hopper_gpu_and_bad_options(capsys):
@@ -114,7 +115,7 @@ def test_refuses_without_a_hopper_gpu_and_bad_options(capsys):
 
 def test_tiny_interpret_run_end_to_end(tmp_path, capsys):
     table = tmp_path / "t.json"
-    table.write_text(common.CONFIGS_PATH.read_text())
+    table.write_text(config_table.CONFIGS_PATH.read_text())
     assert cli.main(["tune", "--interpret", "--tiny", "--max-candidates", "1", "--warmup", "0",
                      "--iters", "1", "--rounds", "1", "--table", str(table), "--out", str(tmp_path),
                      "--no-progress"]) == 0
@@ -124,7 +125,7 @@ def test_tiny_interpret_run_end_to_end(tmp_path, capsys):
     assert row["status"] == "ok" and row["error"] < tune.TOLERANCE, row
     assert "tune_tiny" in (folder / "report.md").read_text()
     assert any(e.get("anchor") == "tune_tiny" and e["tuned"] for e in json.loads(table.read_text())["entries"])
-    common.load_table.cache_clear()
+    config_table.load_table.cache_clear()
     # --no-progress: one log line per candidate, numbered against the total
     assert re.search(r"^tune 1/1 \d\d:\d\d:\d\d: tune_tiny: ", capsys.readouterr().out, re.M)
 
@@ -166,7 +167,7 @@ def test_backward_candidates_start_with_todays_config_and_all_fit():
 
 def test_tiny_interpret_backward_run_writes_backward_entries(tmp_path):
     table = tmp_path / "t.json"
-    table.write_text(common.CONFIGS_PATH.read_text())
+    table.write_text(config_table.CONFIGS_PATH.read_text())
     assert cli.main(["tune", "--backward", "--interpret", "--tiny", "--max-candidates", "1", "--warmup", "0",
                      "--iters", "1", "--rounds", "1", "--table", str(table), "--out", str(tmp_path),
                      "--no-progress"]) == 0
@@ -178,9 +179,9 @@ def test_tiny_interpret_backward_run_writes_backward_entries(tmp_path):
     (entry,) = [e for e in written["backward_entries"] if e["key"] == data["shapes"][0]["key"]]
     assert entry["tuned"] and entry["source"].startswith("flashmesh tune --backward")
     assert entry["key"]["group"] == tune.spec_of(tune.TINY).group_size
-    assert len(written["backward_entries"]) == len(common.load_table()["backward_entries"]) + 1
-    assert written["entries"] == json.loads(common.CONFIGS_PATH.read_text())["entries"]  # forward untouched
-    common.load_table.cache_clear()
+    assert len(written["backward_entries"]) == len(config_table.load_table()["backward_entries"]) + 1
+    assert written["entries"] == json.loads(config_table.CONFIGS_PATH.read_text())["entries"]  # forward untouched
+    config_table.load_table.cache_clear()
 
 
 def test_backward_entries_of_shapes_differing_in_group_stay_apart():
@@ -205,7 +206,7 @@ def test_backward_write_keeps_hand_written_keys_and_skips_a_shared_key():
     run already wrote is warned about and not written (it would shadow the first)."""
     from flashmesh.bench import tune_backward
 
-    table = json.loads(common.CONFIGS_PATH.read_text(encoding="utf-8"))
+    table = json.loads(config_table.CONFIGS_PATH.read_text(encoding="utf-8"))
     before = {e.get("anchor"): e["key"] for e in table["backward_entries"]}
     results = [dict(shape=name, key=tune.table_key(tune.spec_of(ANCHORS[name])), rows=[{}],
                     best={"num_stages": 3}, best_ms_back_to_back=1.0, default_ms_back_to_back=1.0)
@@ -219,4 +220,4 @@ def test_backward_write_keeps_hand_written_keys_and_skips_a_shared_key():
     assert after["causal_8k_h32_d64"]["config"] == {"num_stages": 3}
     assert "causal_8k_h32_d64_again" not in after
     short = after["codelab_te_2048"]["key"]
-    assert short["max_len"] == 2048 and not common.key_matches(short, tune.spec_of(ANCHORS["causal_8k_h32_d64"]))
+    assert short["max_len"] == 2048 and not config_table.key_matches(short, tune.spec_of(ANCHORS["causal_8k_h32_d64"]))

@@ -6,7 +6,7 @@ Dqk / Dv head dims.
 Forward: `pallas_mosaic_gpu_sm90.forward_spec` (warp-specialised, TMA producer, exp2 online
 softmax, tile skipping from the band's tile ranges), or for narrow windows (a band of at most
 256 keys per 64 queries) `pallas_mosaic_gpu_sm90_window.forward_spec` (the band kept in shared
-memory for the group's query heads), as `pallas_mosaic_gpu_common.default_for` configures. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
+memory for the group's query heads), as `pallas_mosaic_gpu_table.default_for` configures. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
 band's query tiles and the group's query heads, and a dQ kernel), under one custom VJP here;
 an lse cotangent enters as delta - d_lse.
 
@@ -147,8 +147,9 @@ def config(spec: AttentionSpec, device_kind: str | None = None):
     from flashmesh.attention import pallas_mosaic_gpu_common as common
     from flashmesh.attention import pallas_mosaic_gpu_sm90 as sm90
     from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+    from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 
-    fwd = common.default_for(spec, device_kind or jax.devices()[0].device_kind)
+    fwd = config_table.default_for(spec, device_kind or jax.devices()[0].device_kind)
     while (isinstance(fwd, common.BlockSizes) and fwd.num_stages > 1
            and sm90.smem_bytes(spec, fwd) > common.SMEM_BYTES):
         fwd = dataclasses.replace(fwd, num_stages=fwd.num_stages - 1)
@@ -158,10 +159,11 @@ def config(spec: AttentionSpec, device_kind: str | None = None):
 def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
     """The tiles a call gets and where they come from (the tuned table or the heuristic)."""
     from flashmesh.attention import pallas_mosaic_gpu_common as common
+    from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 
     kind = device_kind or jax.devices()[0].device_kind
     fwd, back = config(spec, kind)
-    entry = common.matching_entry(spec, kind)
+    entry = config_table.matching_entry(spec, kind)
     source = ("the heuristic (no table entry)" if entry is None else
               f"table entry {entry.get('anchor', entry['key'])} ({'tuned' if entry.get('tuned') else 'untuned'})")
     if isinstance(fwd, common.WindowBlockSizes):

@@ -142,9 +142,9 @@ from jaxtyping import Array, Float
 
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_BYTES, WARPGROUP,
-                                                            BlockSizes, check_spec,
-                                                            smem_tile, split_part)
+from flashmesh.attention.pallas_mosaic_gpu_common import (SMEM_ALIGNMENT, SMEM_BYTES, WARPGROUP, BlockSizes,
+                                                          check_spec, smem_tile)
+from flashmesh.attention.pallas_mosaic_gpu_ranges import split_part
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, dropout_row_hash,
                                                             inputs_dropout_hash,

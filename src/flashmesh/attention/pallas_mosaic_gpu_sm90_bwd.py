@@ -123,8 +123,8 @@ from jax import lax
 
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-from flashmesh.attention.pallas_mosaic_gpu_common import (band_kv_range, check_spec, clamp_within,
-                                                            smem_tile)
+from flashmesh.attention.pallas_mosaic_gpu_common import check_spec, smem_tile
+from flashmesh.attention.pallas_mosaic_gpu_ranges import band_kv_range, clamp_within
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_dkv import kernel_dkv, step_copies
 from flashmesh.attention.pallas_mosaic_gpu_inputs import (check_bias, check_dropout_hash, check_sink,
                                                             check_tables, pad_tail, pad_to)

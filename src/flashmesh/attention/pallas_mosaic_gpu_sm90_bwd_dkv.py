@@ -13,7 +13,8 @@ from jax import lax
 
 from flashmesh.attention import masks
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-from flashmesh.attention.pallas_mosaic_gpu_common import WARPGROUP, clamp_within
+from flashmesh.attention.pallas_mosaic_gpu_common import WARPGROUP
+from flashmesh.attention.pallas_mosaic_gpu_ranges import clamp_within
 from flashmesh.attention.pallas_mosaic_gpu_sm90_bwd_parts import (COL, ROW, logits2, mma_from_registers,
                                                                     mma_from_smem, products_from,
                                                                     products_overlapped, ring_drain,

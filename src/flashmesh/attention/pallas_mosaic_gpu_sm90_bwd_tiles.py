@@ -19,8 +19,9 @@ import numpy as np
 
 from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_common import (REGISTERS_PER_SM, SMEM_BYTES, SWIZZLE_BYTES,
-                                                            WARPGROUP, WGMMA_M, TileRanges, key_matches,
-                                                            load_table)
+                                                          WARPGROUP, WGMMA_M)
+from flashmesh.attention.pallas_mosaic_gpu_ranges import TileRanges
+from flashmesh.attention.pallas_mosaic_gpu_table import key_matches, load_table
 from flashmesh.attention.spec import AttentionSpec
 
 SMEM_SLACK = 2048  # bytes of shared memory beyond the tiles: barriers, 1024-byte alignment

@@ -176,7 +176,7 @@ def tile_kv_range(spec: AttentionSpec, tok_refs, q_tile, batch, block_q: int, bl
     """The key tiles query tile `q_tile` of batch row `batch` meets (forward, dQ): the band's
     closed form, or with segments (tok_refs) the block map's ranges of that row."""
     from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-    from flashmesh.attention.pallas_mosaic_gpu_common import band_kv_range
+    from flashmesh.attention.pallas_mosaic_gpu_ranges import band_kv_range
 
     if tok_refs is None:
         return band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,

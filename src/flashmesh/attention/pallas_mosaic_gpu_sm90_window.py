@@ -70,8 +70,8 @@ from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_sm90_parts as parts
 from flashmesh.attention.pallas_mosaic_gpu_common import (WARPGROUP, WINDOW_ROWS, WindowBlockSizes,
-                                                            band_kv_range, check_spec, smem_tile,
-                                                            window_reason)
+                                                          check_spec, smem_tile, window_reason)
+from flashmesh.attention.pallas_mosaic_gpu_ranges import band_kv_range
 from flashmesh.attention.pallas_mosaic_gpu_inputs import check_sink, pad_tail
 from flashmesh.attention.spec import EMPTY_ROW_LSE, AttentionSpec
 

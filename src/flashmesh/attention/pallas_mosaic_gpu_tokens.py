@@ -12,7 +12,7 @@ to the kernels' tile multiples, so every padded token is padding (segment 0) and
 separate tail mask.
 
 Which tiles a CTA visits comes from the call's block map (`masks.block_map` through
-`pallas_mosaic_gpu_common.kv_ranges` / `q_ranges`), computed in XLA per batch row: int32
+`pallas_mosaic_gpu_ranges.kv_ranges` / `q_ranges`), computed in XLA per batch row: int32
 [B, n, 4] of (lo, full_lo, full_hi, hi), read by the kernels as scalars from global memory
 (`load_ranges`). Tiles outside [lo, hi) are never loaded; tiles in [full_lo, full_hi) (one
 segment, every pair visible) run without the mask; the others are masked element-wise from the
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashmesh.attention import pallas_mosaic_gpu_common as common
+from flashmesh.attention import pallas_mosaic_gpu_ranges as tile_ranges
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 
@@ -114,7 +115,7 @@ def kernel_arrays(spec: AttentionSpec, tables: TokenTables, block_q: int, block_
     transpose=True per key tile the query tiles (the KV-stationary kernel's loop). num_tiles:
     the kernel's grid along its stationary axis when the padding adds whole tiles past the
     map (they get empty ranges: lo == hi == 0)."""
-    get = common.q_ranges if transpose else common.kv_ranges
+    get = tile_ranges.q_ranges if transpose else tile_ranges.kv_ranges
     r = get(spec, block_q, block_kv, tables.as_inputs())
     ranges = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (spec.batch, x.shape[-1]))
                         for x in r], axis=-1)
@@ -128,9 +129,9 @@ def kernel_arrays(spec: AttentionSpec, tables: TokenTables, block_q: int, block_
         _pad(tables.kv_positions, kv_len) if window else None)
 
 
-def load_ranges(ranges_ref, batch, tile) -> common.TileRanges:
+def load_ranges(ranges_ref, batch, tile) -> tile_ranges.TileRanges:
     """In a kernel: the four int32 scalars of one tile, from global memory."""
-    return common.TileRanges(*(ranges_ref[batch, tile, i] for i in range(4)))
+    return tile_ranges.TileRanges(*(ranges_ref[batch, tile, i] for i in range(4)))
 
 
 def mask(s, q_tokens, kv_tokens, spec: AttentionSpec, q_dim: int):

@@ -35,6 +35,7 @@ import numpy as np
 
 from flashmesh.attention import pallas_mosaic_gpu
 from flashmesh.attention import pallas_mosaic_gpu_common as common
+from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 from flashmesh.bench import report, runner, tune_backward, tune_measure
 from flashmesh.bench.tune_measure import table_key
 from flashmesh.bench.shapes import ANCHOR_SHAPES, Shape
@@ -69,9 +70,9 @@ def candidates(spec, limit: int | None = None) -> list:
     SEARCH grid, and where the window kernel takes the call its WindowBlockSizes."""
     found, seen = [], set()
     try:
-        default = common.default_for(spec, jax.devices()[0].device_kind)
+        default = config_table.default_for(spec, jax.devices()[0].device_kind)
     except NotImplementedError:  # not a Hopper GPU (interpret mode): the table's fallback
-        default = common.heuristic(spec)
+        default = config_table.heuristic(spec)
     grid = itertools.product(SEARCH["tiles"], SEARCH["block_kv"], SEARCH["num_stages"],
                              SEARCH["intra_wg_overlap"])
     windows = (common.WindowBlockSizes(block_kv=kv, num_compute_wgs=w, pingpong=p, q_buffers=nq, q_ahead=a)
@@ -119,7 +120,7 @@ def tune_shape(shape: Shape, config: runner.RunConfig, *, interpret: bool = Fals
     rows = tune_measure.measure(
         candidates(spec, limit),
         lambda bs: lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, spec, bs, interpret=interpret)[0],
-        (q, k, v), lambda got: _rel(got, want), fields=common.config_fields, tolerance=TOLERANCE,
+        (q, k, v), lambda got: _rel(got, want), fields=config_table.config_fields, tolerance=TOLERANCE,
         interpret=interpret, config=config, label=shape.name, advance=advance)
     # rows[0]: the heuristic's config
     return dict(shape=shape.name, key=table_key(spec), **tune_measure.summary(rows))
@@ -155,8 +156,8 @@ def write_table(path: Path, results: list[dict], meta: dict) -> None:
             f"flashmesh tune {meta['date']} on {meta['device']} (commit {meta['commit']}): "
             f"{res['best_ms_back_to_back']:.4f} ms back to back, best of {len(res['rows'])} candidates"))
     path.write_text(json.dumps(table, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    common.load_table.cache_clear()
-    common.load_table(str(path))  # the written table must load (valid configs, unique keys)
+    config_table.load_table.cache_clear()
+    config_table.load_table(str(path))  # the written table must load (valid configs, unique keys)
 
 
 def run(shapes: list[Shape], config: runner.RunConfig, *, interpret: bool = False, limit: int | None = None,
@@ -188,7 +189,7 @@ def run(shapes: list[Shape], config: runner.RunConfig, *, interpret: bool = Fals
             else:
                 results.append(tune_shape(shape, config, interpret=interpret, limit=limit, advance=advance))
     if table is None and not interpret:
-        table = common.CONFIGS_PATH
+        table = config_table.CONFIGS_PATH
     if table is not None:
         write_table(Path(table), results, meta)
     directory = report.results_dir(out, meta)

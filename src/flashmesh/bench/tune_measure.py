@@ -99,7 +99,7 @@ def table_key(spec) -> dict:
     >= the width), and the length bucket of max(T, S): (P / 2, P] for the smallest power of two
     P >= it (without it a short shape's entry, more specific by its group field, took the calls
     of every length: 2026-12-03, codelab_te_2048's tiles over causal_8k_h32_d64's)."""
-    from flashmesh.attention.pallas_mosaic_gpu_common import mask_kind
+    from flashmesh.attention.pallas_mosaic_gpu_table import mask_kind
 
     key = dict(qk_dim=spec.qk_dim, v_dim=spec.v_dim, mask=mask_kind(spec), group=spec.group_size)
     left, right = spec.window
