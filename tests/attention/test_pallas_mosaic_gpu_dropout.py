@@ -313,6 +313,7 @@ def test_gpu_path_lowers_on_cpu(T, D, window, blocks, back, monkeypatch):
 
 def test_config_fits_dropout_hashes_in_shared_memory(monkeypatch):
     """A table entry that fills shared memory loses a stage for the row hashes."""
+    from flashmesh.attention import pallas_mosaic_gpu_common as common
     from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 
     full = BlockSizes(block_q=128, block_kv=128, num_stages=3)
