@@ -21,7 +21,9 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm
 
 from flashmesh.attention import masks
+from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
 from flashmesh.attention.pallas_mosaic_gpu_inputs import DROPOUT_KEY_MULT
+from flashmesh.attention.pallas_mosaic_gpu_ranges import band_kv_range
 from flashmesh.attention.spec import AttentionSpec
 
 LOG2E = math.log2(math.e)
@@ -175,9 +177,6 @@ def persistent_tiles(num_q_tiles: int, num_heads: int, batch: int, *, q_major: b
 def tile_kv_range(spec: AttentionSpec, tok_refs, q_tile, batch, block_q: int, block_kv: int):
     """The key tiles query tile `q_tile` of batch row `batch` meets (forward, dQ): the band's
     closed form, or with segments (tok_refs) the block map's ranges of that row."""
-    from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
-    from flashmesh.attention.pallas_mosaic_gpu_ranges import band_kv_range
-
     if tok_refs is None:
         return band_kv_range(q_tile, q_len=spec.q_len, kv_len=spec.kv_len, window=spec.window,
                              diagonal_offset=spec.diagonal_offset, block_q=block_q, block_kv=block_kv)
