@@ -53,6 +53,19 @@ def test_table_keys():
     assert tune.table_key(tune.spec_of(ANCHORS["full_4k_h16_d128"]))["mask"] == "none"
 
 
+def test_the_layer_attention_is_a_named_shape_with_its_own_key():
+    """`--shapes guide_layer_attention` tunes the guide layer's attention (B4 T2048, 32 heads of
+    128, causal), keyed to its length bucket so the anchors' causal d128 entries stay theirs."""
+    shape = tune.named_shapes()["guide_layer_attention"]
+    spec = tune.spec_of(shape)
+    assert (spec.batch, spec.q_len, spec.num_heads, spec.num_kv_heads, spec.qk_dim, spec.window) == (
+        4, 2048, 32, 32, 128, (-1, 0))
+    key = tune.table_key(spec)
+    assert (key["mask"], key["group"], key["min_len"], key["max_len"]) == ("causal", 1, 1025, 2048)
+    assert not config_table.key_matches(key, tune.spec_of(ANCHORS["causal_8k_h32_d128"]))
+    assert set(ANCHORS) < set(tune.named_shapes())
+
+
 def _result(name, config, ms=0.5):
     best = dict(config, pingpong=None, lpt_order=True)
     return dict(shape=name, key=tune.table_key(tune.spec_of(ANCHORS[name])),
@@ -160,6 +173,9 @@ def test_backward_candidates_start_with_todays_config_and_all_fit():
     assert not any(c.wg_ranges or c.persistent_dq for c in swa[18:])  # today's config's only
     assert not any(c.wg_ranges for c in d128_causal if c.fused_dq)  # no window: no such candidate
     d128 = tune_backward.candidates(tune.spec_of(ANCHORS["full_4k_h16_d128"]))
+    # no window: third and fourth the fused form by columns in FA3's order, then without overlap
+    columns = bwd_tiles.BackwardBlockSizes(fused_dq=True, dq_columns=True, overlap=True)
+    assert d128[2:4] == [columns, dataclasses.replace(columns, overlap=False)] and not d128[0].fused_dq
     assert any(bs.dq_columns and bs.stagger_q for bs in d128) and any(bs.dq_columns and not bs.stagger_q for bs in d128)
     assert tune_backward.config_fields(bwd_tiles.BackwardBlockSizes(block_q=128, fused_dq=True)) == {
         "block_q": 128, "fused_dq": True}

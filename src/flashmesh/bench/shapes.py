@@ -425,6 +425,17 @@ class LayerShape:
 
 LAYER_GUIDE = LayerShape("guide_layer", B=4, T=2048, hidden=4096, ffn=16384, heads=32,
                          note="the getting-started guide's layer (reference/004)")
+
+
+def layer_attention(shape: LayerShape) -> Shape:
+    """A layer shape's attention call (self-attention, causal, as many kv heads as heads): what
+    `flashmesh tune --shapes guide_layer_attention` tunes the kernels' tiles for."""
+    return Shape(f"{shape.name}_attention", B=shape.B, T=shape.T, N=shape.heads, K=shape.heads,
+                 Dqk=shape.head_dim, mask="causal")
+
+
+GUIDE_LAYER_ATTENTION = layer_attention(LAYER_GUIDE)
+
 LAYER_TINY = LayerShape("guide_layer_tiny", B=2, T=32, hidden=64, ffn=256, heads=4,
                         note="the guide's layer at CPU size (examples/getting_started.py --small)")
 # Rows of the layer preset (flashmesh.bench.layer_models.VARIANTS describes each).

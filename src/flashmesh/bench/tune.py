@@ -38,7 +38,7 @@ from flashmesh.attention import pallas_mosaic_gpu_common as common
 from flashmesh.attention import pallas_mosaic_gpu_table as config_table
 from flashmesh.bench import report, runner, tune_backward, tune_measure
 from flashmesh.bench.tune_measure import table_key
-from flashmesh.bench.shapes import ANCHOR_SHAPES, Shape
+from flashmesh.bench.shapes import ANCHOR_SHAPES, GUIDE_LAYER_ATTENTION, Shape
 
 TOLERANCE = 2e-2  # relative L2 against chunked, bf16 inputs (the kernels measure ~5e-3)
 SEARCH = dict(  # the candidate grid; invalid combinations (SMEM, registers) are dropped
@@ -209,6 +209,11 @@ def metadata(argv, interpret: bool) -> dict:
                 search=SEARCH, tolerance=TOLERANCE)
 
 
+def named_shapes() -> dict[str, Shape]:
+    """What --shapes names: the anchors and the layer preset's attention call."""
+    return {s.name: s for s in (*ANCHOR_SHAPES, GUIDE_LAYER_ATTENTION)}
+
+
 def default_shapes() -> list[Shape]:
     """The anchor shapes the kernels can run (no segments)."""
     return [s for s in ANCHOR_SHAPES if s.segments is None and pallas_mosaic_gpu.static_reason(spec_of(s)) is None]
@@ -238,7 +243,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
 def add_arguments(parser):
     """The `flashmesh tune` options."""
     parser.add_argument("--shapes", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
-                        metavar="NAME,...", help="anchor shapes to tune (default: every one the kernels run)")
+                        metavar="NAME,...", help="anchor shapes (or guide_layer_attention, the layer preset's attention) to tune "
+                             "(default: every anchor the kernels run)")
     parser.add_argument("--max-candidates", type=int, metavar="N", help="at most N configs per shape")
     parser.add_argument("--table", metavar="PATH",
                         help="the table to update (default: the package's pallas_mosaic_gpu_configs.json)")
@@ -277,7 +283,7 @@ TINY = Shape("tune_tiny", B=1, T=256, N=2, K=1, Dqk=64, mask="causal")
 def cli(args, argv, parser) -> int:
     from rich.console import Console
 
-    known = {s.name: s for s in ANCHOR_SHAPES}
+    known = named_shapes()
     if args.interpret:
         _interpreter_threads()
     try:
