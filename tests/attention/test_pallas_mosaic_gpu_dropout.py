@@ -24,11 +24,14 @@ The `gpu`-marked copies run the same cases compiled, and one larger case through
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import flashmesh
 from flashmesh.attention import masks, pallas_mosaic_gpu, reference
@@ -309,6 +312,36 @@ def test_gpu_path_lowers_on_cpu(T, D, window, blocks, back, monkeypatch):
     assert len(counted) == 3, counted
     assert counted[0] == sm90.smem_bytes(spec, blocks), (counted, sm90.smem_bytes(spec, blocks))
     assert counted[1] <= estimate["dkv"] and counted[2] <= estimate["dq"], (counted, estimate)
+
+
+def test_keep_compare_lowers_unsigned(capfd):
+    """The keep test `bits >= threshold` on uint32 lowers to an unsigned compare (arith.cmpi
+    uge) and no integer compare in the mask is signed: the interpreter runs jnp's unsigned
+    semantics whatever the lowering does, so only the lowered module shows a signed compare
+    (a GPU-only wrong mask, should a jax release change its predicate tables)."""
+    rows, keys = 64, 64
+
+    def body(hash_gmem, p_gmem, out_gmem, hash_smem, p_smem, out_smem, bar):
+        plgpu.copy_gmem_to_smem(hash_gmem, hash_smem, bar.at[0])
+        plgpu.copy_gmem_to_smem(p_gmem, p_smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        row_hash = plgpu.load(hash_smem.at[...], layout=plgpu.Layout.WGMMA.reduce(1))
+        keep = sm90.dropout_keep(row_hash, lax.axis_index("x") * keys, (rows, keys), 1, 0.1)
+        out_smem[...] = jnp.where(keep, plgpu.load(p_smem.at[...], layout=plgpu.Layout.WGMMA), 0.0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((rows, keys), jnp.float32), grid=(2,),
+                          grid_names=("x",), num_threads=1, thread_name="wg", debug=True,
+                          scratch_types=[plgpu.SMEM((rows,), jnp.uint32), plgpu.SMEM((rows, keys), jnp.float32),
+                                         plgpu.SMEM((rows, keys), jnp.float32), plgpu.Barrier(num_barriers=1)])
+    capfd.readouterr()
+    jax.jit(kernel).trace(jax.ShapeDtypeStruct((rows,), jnp.uint32),
+                          jax.ShapeDtypeStruct((rows, keys), jnp.float32)).lower(lowering_platforms=("cuda",))
+    printed = capfd.readouterr()
+    predicates = set(re.findall(r"arith\.cmpi (\w+)", printed.out + printed.err))
+    assert "uge" in predicates and not predicates & {"slt", "sle", "sgt", "sge"}, predicates
 
 
 def test_config_fits_dropout_hashes_in_shared_memory(monkeypatch):
