@@ -77,13 +77,7 @@ def _window_fused(spec) -> list[bwd.BackwardBlockSizes]:
     warpgroup over the query tiles its own keys meet) and its `overlap` twin, where they fit;
     none otherwise (dq_columns, the fused form's usual split, makes every warpgroup take every
     step, so the grid below never pairs the fused form with wg_ranges)."""
-    if spec.window[0] < 0:
-        return []
-    try:
-        bs = bwd.BackwardBlockSizes(fused_dq=True, wg_ranges=True).validate_for(spec)
-    except ValueError:
-        return []
-    return _with_twins(bs, spec, ("overlap",))
+    return _with_overlap_twin(spec, fused_dq=True, wg_ranges=True) if spec.window[0] >= 0 else []
 
 
 def _columns_fused(spec) -> list[bwd.BackwardBlockSizes]:
@@ -91,8 +85,13 @@ def _columns_fused(spec) -> list[bwd.BackwardBlockSizes]:
     (`overlap`) and its twin without it, where they fit: the fastest d128 causal form measured
     (2.840 ms against 3.036 for two kernels, causal 8k, 2026-12-06-nvidia-h200-anchors), whose
     `overlap` twin sits deep in the grid below, past a short --max-candidates."""
+    return _with_overlap_twin(spec, fused_dq=True, dq_columns=True, overlap=True)
+
+
+def _with_overlap_twin(spec, **fields) -> list[bwd.BackwardBlockSizes]:
+    """The config of these fields and its twin with the other `overlap`, where it fits the call."""
     try:
-        bs = bwd.BackwardBlockSizes(fused_dq=True, dq_columns=True, overlap=True).validate_for(spec)
+        bs = bwd.BackwardBlockSizes(**fields).validate_for(spec)
     except ValueError:
         return []
     return _with_twins(bs, spec, ("overlap",))
