@@ -2,7 +2,8 @@
 TransformerLayer fwd+bwd in bf16 and FP8 at the guide's size and count the FP8 GEMMs.
 
 `--profile DIR` also traces 5 steps with jax.profiler into DIR and prints where a step's GPU
-time goes: per category (GEMM, attention, other kernels), then the longest XLA ops and kernels.
+time goes: per category (GEMM, attention, other kernels), then the longest XLA ops and kernels,
+and where the host's time goes while it enqueues the steps (`trace_table.host_table`).
 The hand-written bf16 JAX layer with cuDNN attention (the bench's `jax_cudnn` row) is traced the
 same way, for comparison. `--hlo DIR` writes each step's compiled HLO text into DIR; `--only
 NAME,...` runs only those steps (jax_cudnn, transformer_layer_bf16, transformer_layer_fp8);
@@ -20,7 +21,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from trace_table import profile_table
+from trace_table import host_table, profile_table
 
 import flashmesh.te as te
 import flashmesh.te.flax as te_flax
@@ -141,6 +142,7 @@ def run(fp8, hand_written):
             variables = {**variables, **state}
             jax.block_until_ready((state, g, gx))
         print(profile_table(trace_dir, 5, top=int(_option("--top") or 25)), flush=True)
+        print(host_table(trace_dir, 5, top=int(_option("--top") or 25)), flush=True)
 
 
 RUNS = {"jax_cudnn": (False, True), "transformer_layer_bf16": (False, False),

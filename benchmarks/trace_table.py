@@ -1,7 +1,8 @@
 """Diagnosis only: where a traced run's GPU time goes (`profile_table`), shared by the probes
 (`probe_layer.py`, `probe_train.py`): per category (GEMM, attention, other kernels), the
 timeline's span, busy time and overlap (`timeline`), then the longest XLA ops and kernels, per
-step."""
+step; and where the host's time goes while it enqueues them (`host_table`: the host threads'
+trace events by self time, for a step whose host enqueue nears its GPU time)."""
 import collections
 import glob
 import re
@@ -42,6 +43,48 @@ def profile_table(trace_dir: str, steps: int, top: int = 25) -> str:
         lines.append(f"longest {title} (ms per step):")
         lines += [f"  {ms:8.3f}  {name[:150]}" for name, ms in table.most_common(top)]
     return "\n".join(lines)
+
+
+def host_table(trace_dir: str, steps: int, top: int = 25) -> str:
+    """Per step, the host threads' trace events (the "/host:CPU" plane: Python's dispatch, XLA's
+    thunks, CUDA driver calls where the profiler records them) by self time (an event's
+    duration less that of the events nested in it on the same thread), then by inclusive time:
+    where a slow enqueue spends its time."""
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not files:
+        return f"no trace under {trace_dir}"
+    own, inclusive, threads = self_times(
+        line for plane in ProfileData.from_file(files[-1]).planes if plane.name == "/host:CPU"
+        for line in plane.lines)
+    if not inclusive:
+        return "no host events in the trace"
+    lines = [f"host threads with events: {threads}; per step, by self time (ms):"]
+    lines += [f"  {ns / 1e6 / steps:8.3f}  {name[:150]}" for name, ns in own.most_common(top)]
+    lines.append("by inclusive time (ms per step; nested events counted in each):")
+    lines += [f"  {ns / 1e6 / steps:8.3f}  {name[:150]}" for name, ns in inclusive.most_common(top)]
+    return "\n".join(lines)
+
+
+def self_times(lines):
+    """(self ns per event name, inclusive ns per name, number of lines with events) over trace
+    lines whose events nest in time on each line (a thread's scopes)."""
+    own, inclusive, count = collections.Counter(), collections.Counter(), 0
+    for line in lines:
+        events = sorted(((e.start_ns, -e.duration_ns, e.name) for e in line.events))
+        count += bool(events)
+        stack = []  # [end_ns, name] of the open scopes
+        for start, neg, name in events:
+            duration = -neg
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            if stack:
+                own[stack[-1][1]] -= min(duration, stack[-1][0] - start)
+            own[name] += duration
+            inclusive[name] += duration
+            stack.append([start + duration, name])
+    return own, inclusive, count
 
 
 def busy_ns(intervals) -> float:
