@@ -3,7 +3,7 @@
 # and `flashmesh bench` presets, each step under its own time limit, results tarred into $OUT.
 #
 #   benchmarks/device_run.sh STEP[=SECONDS] ...
-#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune[:<args>] | profile | probe_mosaic[:<args, comma-separated>] | ncu:<probe_mosaic args> | probe_train[:<args>] | probe_fp8[:<args>] | probe_gap[:<args>]
+#   STEP: tests[:<pytest -k expression>] | bench:<preset>[:<group,...>[:<implementation,...>]] | explore:<chunked|dispatch|memory> | example | train | tune[:<args>] | profile | probe_mosaic[:<args, comma-separated>] | ncu:<probe_mosaic args> | probe_train[:<args>] | probe_fp8[:<args>] | probe_gap[:<args>] | probe_dropout_ptx
 #   profile: benchmarks/probe_layer.py --profile (the guide's TransformerLayer step, bf16 and FP8,
 #   traced; where its GPU time goes, by category, XLA op and kernel) into $OUT/profile.log;
 #   PROFILE_ARGS for options, e.g. PROFILE_ARGS="--only transformer_layer_fp8".
@@ -105,6 +105,11 @@ for step in "$@"; do
     probe_mosaic|probe_mosaic:*)  # e.g. probe_mosaic:--bwd,causal_8k_h32_d128 (commas: spaces)
       args="${step#probe_mosaic}"; args="${args#:}"; echo "=== $step on $tree" >> "$OUT/probe_mosaic.log"
       timeout "$limit" python3 benchmarks/probe_mosaic.py ${args//,/ } 2>&1 | tee -a "$OUT/probe_mosaic.log" ;;
+    probe_dropout_ptx)  # benchmarks/probe_dropout_ptx.py: the dropout kernels' PTX, hashes per probability
+      mkdir -p /tmp/flashmesh-ptx
+      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/flashmesh-ptx timeout "$limit" python3 \
+        benchmarks/probe_dropout_ptx.py 2>&1 | tee -a "$OUT/probe_dropout_ptx.log"
+      tar -C /tmp -czf "$OUT/dropout_ptx.tgz" flashmesh-ptx ;;
     example)
       (cd examples && timeout "$limit" python3 single_gpu_attention.py) 2>&1 | tee "$OUT/example.log" ;;
     *) echo "unknown step $step" ;;
