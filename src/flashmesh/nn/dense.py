@@ -20,6 +20,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from flashmesh.nn.layernorm import input_layernorm
+from flashmesh.quantization import layouts
 from flashmesh.quantization import state as qstate
 from flashmesh.quantization.dense import dense as fp8_dense
 
@@ -51,13 +52,15 @@ def contracting_axes(axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
 
 
 def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n_contract: int,
-                  recipe=None, state=None, bias=None) -> Float[Array, "... N..."]:
+                  recipe=None, state=None, bias=None, source=None) -> Float[Array, "... N..."]:
     """x's trailing `n_contract` axes contracted with kernel's leading ones, in x's dtype.
 
     recipe None: a dot in x's dtype; otherwise an FP8 GEMM (`flashmesh.quantization.dense`)
     with the GEMM's state (DelayedScaling) or None (current scaling). bias [N...] (or None) is
     added in x's dtype to the 2-D GEMM result, the form XLA folds into cuBLAS's bias epilogue
-    (after the reshape to [..., N...] it stays a separate pass over the output)."""
+    (after the reshape to [..., N...] it stays a separate pass over the output). source: where x
+    is a LayerNorm's output, what it is made of (`quantization.normalized.Normalization`); see
+    `fp8_source`."""
     lead, inner = x.shape[:x.ndim - n_contract], x.shape[x.ndim - n_contract:]
     if tuple(kernel.shape[:n_contract]) != tuple(inner):
         raise ValueError(f"kernel's contracted shape {kernel.shape[:n_contract]} must equal the "
@@ -68,12 +71,22 @@ def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n
     if recipe is None:
         y = lax.dot_general(x2, _cast_for_gemm(k2, x.dtype), (((1,), (0,)), ((), ())))
     else:
-        y = fp8_dense(x2, k2, state, recipe)
+        y = fp8_dense(x2, k2, state, recipe, fp8_source(source, x2, n_contract))
     if bias is not None:
         if tuple(bias.shape) != tuple(out_shape):
             raise ValueError(f"bias.shape={bias.shape} must equal the kernel's output shape {out_shape}")
         y = y + bias.reshape(1, n_dim).astype(y.dtype)
     return y.reshape(*lead, *out_shape)
+
+
+def fp8_source(source, x2: jax.Array, n_contract: int):
+    """The LayerNorm's `Normalization` an FP8 GEMM quantises x2 [M, K] from (so the LayerNorm's
+    output is never written), or None: only where it describes x2 itself (one contracted axis,
+    the normalised one) in a program on one device with no mesh, where sharding constraints on
+    the GEMM's input (`dot_input_axes`) would otherwise be bypassed."""
+    if source is None or n_contract != 1 or source.x.shape != x2.shape or not layouts.one_device_program():
+        return None
+    return source
 
 
 def _cast_for_gemm(kernel: jax.Array, dtype) -> jax.Array:
@@ -96,10 +109,11 @@ def _features(features) -> tuple[int, ...]:
 class _Projection(nn.Module):
     """What DenseGeneral and LayerNormDenseGeneral share: kernel, bias, LoRA, the GEMM."""
 
-    def project(self, x, axes: tuple[int, ...], postfix: str = "") -> jax.Array:
+    def project(self, x, axes: tuple[int, ...], postfix: str = "", source=None) -> jax.Array:
         features = _features(self.features)
         if axes != tuple(range(x.ndim - len(axes), x.ndim)):  # contracted axes go last
             x = jnp.moveaxis(x, axes, tuple(range(x.ndim - len(axes), x.ndim)))
+            source = None  # it describes x's original layout
         n_in = len(axes)
         in_shape = x.shape[x.ndim - n_in:]
         init = self.kernel_init or default_kernel_init()
@@ -112,7 +126,7 @@ class _Projection(nn.Module):
         if self.use_bias:
             bias = partitioning.param_with_axes("bias", self.bias_init, features, self.dtype,
                                                 axes=tuple(self.bias_axes), module=self)
-        y = dense_general(x, kernel, n_in, recipe, state, bias)
+        y = dense_general(x, kernel, n_in, recipe, state, bias, source)
         return y if lora is None else y + lora
 
     def _lora(self, x, in_shape, features) -> jax.Array:
@@ -234,12 +248,11 @@ class LayerNormDenseGeneral(_Projection):
     @nn.compact
     def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         _no_checkpoint_name(self)
-        x = inputs
-        if self.enable_layernorm:
-            x = input_layernorm(self, constrain(x, self.layernorm_input_axes))
+        x, source = input_layernorm(self, constrain(inputs, self.layernorm_input_axes)
+                                    if self.enable_layernorm else inputs)
         ln_out = x if self.return_layernorm_output else None
         x = constrain(x, self.dot_input_axes)
-        y = self.project(x, contracting_axes(self.axis, x.ndim))
+        y = self.project(x, contracting_axes(self.axis, x.ndim), source=source)
         if self.depth_scaling is not None:
             y = y / jnp.asarray(self.depth_scaling, y.dtype)
         return y, ln_out

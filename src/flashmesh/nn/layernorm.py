@@ -19,9 +19,11 @@ from flax import linen as nn
 from flax.linen import partitioning
 from jaxtyping import Array, Float
 
-from flashmesh.nn.layernorm_vjp import normalize
+from flashmesh.nn.layernorm_vjp import normalize, statistics
+from flashmesh.quantization.normalized import Normalization
 
-__all__ = ["layernorm", "LayerNorm", "LAYERNORM_TYPES", "layernorm_params", "expand", "input_layernorm"]
+__all__ = ["layernorm", "LayerNorm", "LAYERNORM_TYPES", "layernorm_params", "expand", "input_layernorm",
+           "normalization"]
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -77,19 +79,35 @@ def layernorm_params(module: nn.Module, features: int, *, layernorm_type: str,
     return scale, bias
 
 
-def input_layernorm(module: nn.Module, x: jax.Array) -> jax.Array:
+def input_layernorm(module: nn.Module, x: jax.Array) -> tuple[jax.Array, Normalization | None]:
     """The optional LayerNorm in front of LayerNormDenseGeneral and LayerNormMLP, read from
     the module's TE fields (enable_layernorm, layernorm_type, epsilon, zero_centered_gamma,
-    scale_init, scale_axes, ln_bias_init, ln_bias_axes, dtype); x unchanged when disabled."""
+    scale_init, scale_axes, ln_bias_init, ln_bias_axes, dtype): (y, what y is made of over
+    [rows, H], for an FP8 GEMM to quantise y from x: `quantization.normalized`); (x, None)
+    when disabled."""
     if not module.enable_layernorm:
-        return x
+        return x, None
     scale, bias = layernorm_params(
         module, x.shape[-1], layernorm_type=module.layernorm_type,
         zero_centered_gamma=module.zero_centered_gamma, scale_init=module.scale_init,
         scale_axes=module.scale_axes, bias_init=module.ln_bias_init, bias_axes=module.ln_bias_axes,
         dtype=module.dtype)
-    return layernorm(x, scale, bias, layernorm_type=module.layernorm_type, epsilon=module.epsilon,
-                     zero_centered_gamma=module.zero_centered_gamma)
+    args = dict(layernorm_type=module.layernorm_type, epsilon=module.epsilon,
+                zero_centered_gamma=module.zero_centered_gamma)
+    return layernorm(x, scale, bias, **args), normalization(x, scale, bias, **args)
+
+
+def normalization(x: jax.Array, scale: jax.Array, bias: jax.Array | None, *, layernorm_type: str,
+                  epsilon: float, zero_centered_gamma: bool) -> Normalization:
+    """What `layernorm(x, scale, bias, ...)` is made of, over x flattened to [rows, H]: its
+    input, row statistics and float32 gamma and beta (`quantization.normalized.Normalization`;
+    the statistics are the LayerNorm's own operations, which XLA computes once)."""
+    rms = check_layernorm_type(layernorm_type) == "rmsnorm"
+    gamma = scale.astype(jnp.float32) + (1.0 if zero_centered_gamma else 0.0)
+    mean, rstd = statistics(x, rms=rms, epsilon=epsilon)
+    H = x.shape[-1]
+    return Normalization(x.reshape(-1, H), None if rms else mean.reshape(-1, 1), rstd.reshape(-1, 1),
+                         gamma, None if bias is None else bias.astype(jnp.float32))
 
 
 class LayerNorm(nn.Module):

@@ -33,7 +33,7 @@ from jax import lax
 from flashmesh.attention.varying import summed_like
 from flashmesh.quantization import layouts
 
-__all__ = ["normalize", "kernel_backward", "kernel_fits", "ROWS_PER_PROGRAM"]
+__all__ = ["normalize", "statistics", "kernel_backward", "kernel_fits", "ROWS_PER_PROGRAM"]
 
 ROWS_PER_PROGRAM = 32  # rows one kernel program walks (one row of partial sums each)
 NUM_WARPS = 8
@@ -67,12 +67,19 @@ def _row(v, ndim):
     return v.astype(jnp.float32).reshape((1,) * (ndim - 1) + v.shape)
 
 
-def _apply(x, gamma, bias, rms, epsilon):
-    """(y, mean, rstd), mean and rstd float32 [..., 1]."""
+def statistics(x: jax.Array, *, rms: bool, epsilon: float) -> tuple[jax.Array, jax.Array]:
+    """(mean, rstd) of x [..., H] over H, float32 [..., 1] (mean zero for RMSNorm): the forward's
+    own reduction (the same operations, so XLA computes them once where both are traced)."""
     xf = x.astype(jnp.float32)
     mean = jnp.zeros(x.shape[:-1] + (1,), jnp.float32) if rms else jnp.mean(xf, axis=-1, keepdims=True)
     centred = xf - mean
-    rstd = lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + jnp.float32(epsilon))
+    return mean, lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + jnp.float32(float(epsilon)))
+
+
+def _apply(x, gamma, bias, rms, epsilon):
+    """(y, mean, rstd), mean and rstd float32 [..., 1]."""
+    mean, rstd = statistics(x, rms=rms, epsilon=epsilon)
+    centred = x.astype(jnp.float32) - mean
     y = centred * rstd * _row(gamma, x.ndim)
     if bias is not None:
         y = y + _row(bias, x.ndim)

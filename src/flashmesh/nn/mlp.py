@@ -20,7 +20,7 @@ from flax import linen as nn
 from flax.linen import partitioning
 from jax.ad_checkpoint import checkpoint_name
 
-from flashmesh.nn.dense import constrain, default_kernel_init, dense_general
+from flashmesh.nn.dense import constrain, default_kernel_init, dense_general, fp8_source
 from flashmesh.nn.dropout import Dropout
 from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import layouts
@@ -239,18 +239,20 @@ class LayerNormMLP(nn.Module):
         mesh = jax.sharding.get_abstract_mesh()
         return not layouts.typed_sharding(x) and (mesh.empty or not mesh.manual_axes)
 
-    def _fused_call(self, x, wi, wi_bias, recipe, state_0, names):
+    def _fused_call(self, x, wi, wi_bias, recipe, state_0, names, source):
         """The FP8 MLP as one fused function. Parameters and states are created in the unfused
-        path's order; `ffn1_ckpt_name` names nothing here (h is the function's own residual)."""
+        path's order; `ffn1_ckpt_name` names nothing here (h is the function's own residual).
+        source: the LayerNorm's `Normalization` (x quantised from its input; `dense.fp8_source`)."""
         hidden, n, F = wi.shape
         wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(), (F, hidden),
                          self.kernel_axes_2)
         _, state_1 = qstate.gemm_state(self, "_1")
         wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2) if self.use_bias else None
         lead = x.shape[:-1]
-        y = fp8_mlp(x.reshape(-1, hidden), wi.reshape(hidden, n * F),
+        x2 = x.reshape(-1, hidden)
+        y = fp8_mlp(x2, wi.reshape(hidden, n * F),
                     None if wi_bias is None else wi_bias.reshape(n * F), wo, state_0, state_1, recipe,
-                    tuple(ACTIVATIONS[name] for name in names))
+                    tuple(ACTIVATIONS[name] for name in names), fp8_source(source, x2, 1))
         if wo_bias is not None:
             y = y + wo_bias.reshape(1, hidden).astype(y.dtype)
         return checkpoint_name(y.reshape(*lead, hidden), self.ffn2_ckpt_name)
@@ -264,9 +266,8 @@ class LayerNormMLP(nn.Module):
         if self.quantization_checkpoint_name is not None:
             raise NotImplementedError("quantization_checkpoint_name is not supported (see DenseGeneral)")
         names = _mlp_activation_names(self.activations)
-        x = inputs
-        if self.enable_layernorm:
-            x = input_layernorm(self, constrain(x, self.layernorm_input_axes))
+        x, source = input_layernorm(self, constrain(inputs, self.layernorm_input_axes)
+                                    if self.enable_layernorm else inputs)
         ln_out = x if self.return_layernorm_output else None
         hidden, n, F = x.shape[-1], len(names), self.intermediate_dim
 
@@ -277,8 +278,8 @@ class LayerNormMLP(nn.Module):
         recipe, state = qstate.gemm_state(self, "_0")
         wi_bias = self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1) if self.use_bias else None
         if self._fused(x, recipe, names, deterministic):
-            return self._fused_call(x, wi, wi_bias, recipe, state, names), ln_out
-        h = dense_general(x, wi, 1, recipe, state, wi_bias)            # [..., n, F]
+            return self._fused_call(x, wi, wi_bias, recipe, state, names, source), ln_out
+        h = dense_general(x, wi, 1, recipe, state, wi_bias, source)    # [..., n, F]
         if self.enable_low_rank_adaptation:  # TE's: x A B * alpha / r beside the GEMM, one per block
             h = h + self._lora(x, "wi", (hidden, n), (n, F), ("embed", "act"), ("act", "mlp"), n)
         h = checkpoint_name(h, self.ffn1_ckpt_name)

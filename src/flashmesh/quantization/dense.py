@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashmesh.attention.varying import summed_like
-from flashmesh.quantization import combine, layouts, scaling
+from flashmesh.quantization import combine, layouts, normalized, scaling
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 
 __all__ = ["dense", "gemm", "quantized_pair", "updated_state", "TN"]
@@ -76,16 +76,23 @@ def _shardings(x_like, kernel_like, x_transposed: bool = False) -> dict:
                 dw=jax.typeof(kernel_like).sharding if typed_k else jax.sharding.NamedSharding(mesh, jax.P()))
 
 
-def quantized_pair(t, state, name, fp8_max, dtype, recipe):
+def quantized_pair(t, state, name, fp8_max, dtype, recipe, source=None):
     """(q, q.T, scale, amax) of one tensor: the stored scale (delayed scaling; the amax comes
-    out of the quantising pass) or the tensor's own (current scaling: its amax first)."""
+    out of the quantising pass) or the tensor's own (current scaling: its amax first). source:
+    a `normalized.Normalization` that t is the LayerNorm output of, quantised from its input
+    (t's value is then not read)."""
+    def both(scale):
+        if source is None:
+            return layouts.quantize_both(t, scale, dtype)
+        return normalized.quantize_both(source, scale, dtype)
+
     if isinstance(recipe, DelayedScaling):
         scale = combine.to_float32(state[name][0])
-        q, qT, amax_now = layouts.quantize_both(t, scale, dtype)
+        q, qT, amax_now = both(scale)
         return q, qT, scale, amax_now
-    amax_now = scaling.amax(t)
+    amax_now = scaling.amax(t if source is None else normalized.apply(source))
     scale = scaling.current_scale(amax_now, fp8_max, recipe)
-    q, qT, _ = layouts.quantize_both(t, scale, dtype)
+    q, qT, _ = both(scale)
     return q, qT, scale, amax_now
 
 
@@ -98,14 +105,18 @@ def updated_state(state, amaxes, maxes, recipe):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def dense(x: jax.Array, kernel: jax.Array, state, recipe: DelayedScaling | Float8CurrentScaling):
-    """x [M, K] @ kernel [K, N] -> [M, N] in x's dtype, FP8 GEMMs (see the module docstring)."""
-    return _forward(x, kernel, state, recipe)[0]
+def dense(x: jax.Array, kernel: jax.Array, state, recipe: DelayedScaling | Float8CurrentScaling,
+          source: normalized.Normalization | None = None):
+    """x [M, K] @ kernel [K, N] -> [M, N] in x's dtype, FP8 GEMMs (see the module docstring).
+    source: where x is a LayerNorm's output, what it is made of (`normalized.Normalization`
+    over [M, K]): x is then quantised from the LayerNorm's input and never read, and source
+    gets no gradient (x's gradient reaches it through the LayerNorm)."""
+    return _forward(x, kernel, state, recipe, source)[0]
 
 
-def _forward(x, kernel, state, recipe):
+def _forward(x, kernel, state, recipe, source=None):
     fmt = recipe.fp8_format
-    xq, xqT, sx, ax = quantized_pair(x, state, "x", fmt.max_fwd, fmt.forward_dtype, recipe)
+    xq, xqT, sx, ax = quantized_pair(x, state, "x", fmt.max_fwd, fmt.forward_dtype, recipe, source)
     kq, kqT, sk, ak = quantized_pair(kernel, state, "kernel", fmt.max_fwd, fmt.forward_dtype, recipe)
     # Both layouts come from one quantisation. Without the barrier XLA re-read the float32
     # kernel for the [N, K] copy, and for the fused QKV kernel ([H, 3, H]) it chose a layout
@@ -130,7 +141,7 @@ def _backward(recipe, residuals, g):
     dx, dw = summed_like(dx, xqT), summed_like(dw, kq)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
     new = updated_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)
-    return dx, dw, new
+    return dx, dw, new, None  # the source's gradient comes through x's
 
 
 dense.defvjp(_forward, _backward)

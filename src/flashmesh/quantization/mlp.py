@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from flashmesh.quantization import activation, combine
 from flashmesh.quantization.dense import gemm, quantized_pair, updated_state
+from flashmesh.quantization.normalized import Normalization
 from flashmesh.quantization.recipe import DelayedScaling
 
 __all__ = ["fp8_mlp"]
@@ -28,20 +29,22 @@ __all__ = ["fp8_mlp"]
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def fp8_mlp(x: jax.Array, wi: jax.Array, wi_bias: jax.Array | None, wo: jax.Array, state_0: dict,
-            state_1: dict, recipe: DelayedScaling, acts: tuple[Callable, ...]) -> jax.Array:
+            state_1: dict, recipe: DelayedScaling, acts: tuple[Callable, ...],
+            source: Normalization | None = None) -> jax.Array:
     """x [M, H], wi [H, n*F] (n = len(acts) blocks), wi_bias [n*F] or None, wo [F, N] -> [M, N]
     in x's dtype: act(x @ wi + wi_bias) @ wo, act = acts[0] (times acts[1] of the second block
-    for a gated pair). The states are two `dense` calls' (see the module docstring)."""
+    for a gated pair). The states are two `dense` calls' (see the module docstring). source:
+    what x is made of where it is a LayerNorm's output (as `dense`'s)."""
     if not isinstance(recipe, DelayedScaling):
         raise NotImplementedError(f"fp8_mlp takes DelayedScaling, got {type(recipe).__name__} "
                                   "(current scaling runs the unfused composition)")
-    return _forward(x, wi, wi_bias, wo, state_0, state_1, recipe, acts)[0]
+    return _forward(x, wi, wi_bias, wo, state_0, state_1, recipe, acts, source)[0]
 
 
-def _forward(x, wi, wi_bias, wo, state_0, state_1, recipe, acts):
+def _forward(x, wi, wi_bias, wo, state_0, state_1, recipe, acts, source=None):
     fmt = recipe.fp8_format
     fwd = (fmt.max_fwd, fmt.forward_dtype, recipe)
-    xq, xqT, sx, ax = quantized_pair(x, state_0, "x", *fwd)
+    xq, xqT, sx, ax = quantized_pair(x, state_0, "x", *fwd, source)
     k1, k1T, sk1, ak1 = quantized_pair(wi, state_0, "kernel", *fwd)
     k2, k2T, sk2, ak2 = quantized_pair(wo, state_1, "kernel", *fwd)
     # both layouts of a weight from one quantisation (see dense._forward)
@@ -73,7 +76,7 @@ def _backward(recipe, acts, residuals, g):
     new_0 = updated_state(state_0, {"x": ax, "kernel": ak1, "grad": ad}, maxes, recipe)
     new_1 = updated_state(state_1, {"x": aa, "kernel": ak2, "grad": ag}, maxes, recipe)
     dbias = None if wi_bias is None else dbias.astype(wi_bias.dtype)
-    return dx, dwi, dbias, dwo, new_0, new_1
+    return dx, dwi, dbias, dwo, new_0, new_1, None  # the source's gradient comes through x's
 
 
 fp8_mlp.defvjp(_forward, _backward)
