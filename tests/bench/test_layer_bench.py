@@ -47,6 +47,7 @@ def test_rows_are_checked_then_timed(run_dir):
     for r in rows:
         assert r["status"] == "ok", r  # every row runs on a CPU
         assert r["ms"] > 0 and r["ms_back_to_back"] > 0 and r["tflops"] > 0 and r["memory_bytes"] > 0
+        assert 0 < r["enqueue_ms"] <= r["ms_back_to_back"]
         assert r["error"] <= r["tolerance"] and r["checked_against"]
         family = layer_models.VARIANTS[r["label"]].family
         assert r["flops"] == layer.layer_flops(shapes.LAYER_TINY, family)
@@ -65,6 +66,7 @@ def test_rows_are_checked_then_timed(run_dir):
 
 def test_report_links_its_plot(run_dir):
     text = (run_dir / "report.md").read_text()
+    assert "| variant | ms | back to back | host enqueue |" in text
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     assert links == ["layer_step_ms.png"]
     assert (run_dir / links[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

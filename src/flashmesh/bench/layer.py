@@ -80,7 +80,8 @@ class LayerResult:
     """One row. error: the worst relative L2 error (out_error, dx_error, dparams_error; the
     worst parameter gradient named in worst_param) against checked_against; f32_error: an FP8
     row's against the float32 reference. ms: median synchronised step; ms_back_to_back: mean
-    of steps with one synchronisation. fp8_update_ms: the isolated state update (median of
+    of steps with one synchronisation; enqueue_ms: the host's time per step to issue them (the
+    back-to-back step is host-bound where the two are close). fp8_update_ms: the isolated state update (median of
     synchronised calls); fp8_update_ms_back_to_back: the same issued back to back, and its
     fp8_update_share of ms_back_to_back. speedup: the plain-Flax row's ms_back_to_back over this row's."""
 
@@ -97,6 +98,7 @@ class LayerResult:
     ms_min: float | None = None
     iters: int | None = None
     ms_back_to_back: float | None = None
+    enqueue_ms: float | None = None
     compile_s: float | None = None
     flops: float | None = None
     tflops: float | None = None
@@ -273,7 +275,8 @@ def _variables(model: layer_models.Model, shared: Shared):
 
 
 def _run_steps(compiled, variables, key, x, dy, n: int, sync_each: bool):
-    """n steps threading (variables, key): (variables, key, per-step ms or [total ms])."""
+    """n steps threading (variables, key): (variables, key, per-step ms, or with sync_each False
+    [total ms, ms the host took to issue them])."""
     times, out = [], None
     t0 = time.perf_counter()
     for _ in range(n):
@@ -283,8 +286,9 @@ def _run_steps(compiled, variables, key, x, dy, n: int, sync_each: bool):
         if sync_each:
             jax.block_until_ready(out)
             times.append((time.perf_counter() - t) * 1e3)
+    issued = (time.perf_counter() - t0) * 1e3
     jax.block_until_ready(out)
-    return variables, key, times if sync_each else [(time.perf_counter() - t0) * 1e3]
+    return variables, key, times if sync_each else [(time.perf_counter() - t0) * 1e3, issued]
 
 
 def _state_changed(before, after) -> bool:
@@ -336,7 +340,7 @@ def measure(name: str, shared: Shared, group: str = "layer") -> LayerResult:
         variables, key, times = _run_steps(compiled, variables, key, x, dy, n, True)
         variables, key, total = _run_steps(compiled, variables, key, x, dy, n, False)
         ms = statistics.median(times)
-        row.update(ms=ms, ms_min=min(times), iters=n, ms_back_to_back=total[0] / n,
+        row.update(ms=ms, ms_min=min(times), iters=n, ms_back_to_back=total[0] / n, enqueue_ms=total[1] / n,
                    tflops=flops.tflops_per_s(row["flops"], ms))
         if variant.fp8:
             row.update(_update_timing(compiled, variables, key, x, dy, config, ms, total[0] / n))
