@@ -33,9 +33,10 @@ def _inputs(shape, dtype, seed, rms):
 @pytest.mark.parametrize("fp8", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_kernel_and_xla_give_the_unfused_bytes(kind, fp8, dtype):
-    """XLA's form quantises exactly the y the LayerNorm returns (zero-centred gamma included),
-    in both layouts, with y's amax; the kernel computes y in its own fused arithmetic (a
-    multiply-add may be contracted: y within an ulp, so a byte may round the other way)."""
+    """XLA's form quantises the y the LayerNorm returns; the kernel, which never reads y,
+    computes it from x (zero-centred gamma included) in its own fused arithmetic (a multiply-add
+    may be contracted: y within an ulp, so a byte may round the other way), in both layouts,
+    with y's amax."""
     x, scale, bias = _inputs((128, 192), dtype, 1, kind == "rmsnorm")
     args = dict(layernorm_type=kind, epsilon=1e-5, zero_centered_gamma=True)
     y = layernorm(x, scale, bias, **args)
@@ -43,11 +44,10 @@ def test_kernel_and_xla_give_the_unfused_bytes(kind, fp8, dtype):
     assert (n.mean is None) == (kind == "rmsnorm") and (n.beta is None) == (kind == "rmsnorm")
     s = jnp.full((1,), 9.0, jnp.float32)
     want = layouts.quantize_both(y, s, fp8, kernel=False)
-    np.testing.assert_array_equal(normalized.apply(n), y)
-    got = normalized.quantize_both(n, s, fp8, kernel=False)
+    got = normalized.quantize_both(n, y, s, fp8, kernel=False)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(_bytes(a), _bytes(b))
-    got = normalized.quantize_both(n, s, fp8, kernel=True)
+    got = normalized.quantize_both(n, jnp.full_like(y, jnp.nan), s, fp8, kernel=True)
     for a, b in zip(got[:2], want[:2]):
         assert np.mean(_bytes(a) != _bytes(b)) <= 1e-3
     np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
@@ -65,7 +65,10 @@ def test_refusals():
         normalized.Normalization(x, ones, ones, jnp.ones(32), None).check()
     with pytest.raises(ValueError, match="does not fit the kernel"):
         normalized.quantize_both(normalized.Normalization(x[:, :48], None, ones, jnp.ones(48), None),
-                                 jnp.ones(1), jnp.float8_e4m3fn, kernel=True)
+                                 x[:, :48], jnp.ones(1), jnp.float8_e4m3fn, kernel=True)
+    with pytest.raises(ValueError, match=r"y must have x's shape and dtype \(64, 64\) bfloat16"):
+        normalized.quantize_both(normalized.Normalization(x, None, ones, jnp.ones(64), None),
+                                 x.astype(jnp.float32), jnp.ones(1), jnp.float8_e4m3fn)
 
 
 @pytest.fixture
@@ -82,6 +85,20 @@ def one_device(monkeypatch):
 
     monkeypatch.setattr(normalized, "quantize_both", counted)
     return calls
+
+
+@pytest.fixture
+def kernel_without_y(monkeypatch, one_device):
+    """The modules' source path with the kernel forced (interpret mode) and the LayerNorm's
+    output poisoned with NaN outside its gradient: a finite loss shows the GEMM never read y."""
+    import importlib
+
+    nn_layernorm = importlib.import_module("flashmesh.nn.layernorm")  # the package exports a function of that name
+    real_norm, real_both = nn_layernorm.layernorm, normalized.quantize_both
+    monkeypatch.setattr(nn_layernorm, "layernorm", lambda *a, **k: real_norm(*a, **k) + jax.lax.stop_gradient(
+        jnp.full(a[0].shape, jnp.nan, a[0].dtype)))
+    monkeypatch.setattr(normalized, "quantize_both", lambda *a, **k: real_both(*a, **{**k, "kernel": True}))
+    return one_device
 
 
 def _step(module, x, recipe, call):
@@ -103,6 +120,10 @@ MODULES = {
     "ln_mlp": (lambda: te_flax.LayerNormMLP(intermediate_dim=128, use_bias=True), {"deterministic": True}),
     "ln_mlp_gated": (lambda: te_flax.LayerNormMLP(intermediate_dim=64, activations=("silu", "linear")),
                      {"deterministic": True}),
+    "ln_dense_zero_centred_out": (lambda: te_flax.LayerNormDenseGeneral(
+        features=(3, 32), zero_centered_gamma=True, return_layernorm_output=True), {}),
+    "ln_mlp_lora": (lambda: te_flax.LayerNormMLP(intermediate_dim=64, enable_low_rank_adaptation=True,
+                                                 low_rank_adaptation_dim=4), {"deterministic": True}),
 }
 
 
@@ -123,6 +144,29 @@ def test_modules_quantise_the_layernorm_from_its_input(which, recipe, one_device
     plain = _step(build(), x, recipe, call)
     assert not one_device
     for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["ln_dense", "ln_mlp"])
+def test_the_kernel_path_never_reads_the_layernorm_output(which, kernel_without_y):
+    build, call = MODULES[which]
+    x = jax.random.normal(jax.random.key(1), (2, 32, 64), jnp.bfloat16)
+    loss, grads = _step(build(), x, DelayedScaling(amax_history_len=4), call)
+    assert kernel_without_y and np.isfinite(float(loss))
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
+
+
+def test_a_moved_contraction_axis_takes_no_source(one_device, monkeypatch):
+    """axis=-2 on a square input: the moved input has the source's shape but not its layout;
+    the GEMM quantises the LayerNorm's output and the result equals the path without sources."""
+    x = jax.random.normal(jax.random.key(1), (2, 64, 64), jnp.bfloat16)
+    recipe = DelayedScaling(amax_history_len=4)
+    moved = _step(te_flax.LayerNormDenseGeneral(features=32, axis=-2), x, recipe, {})
+    assert not one_device
+    for module in (nn_dense, nn_mlp):
+        monkeypatch.setattr(module, "fp8_source", lambda *args: None)
+    plain = _step(te_flax.LayerNormDenseGeneral(features=32, axis=-2), x, recipe, {})
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(plain)):
         np.testing.assert_array_equal(a, b)
 
 
@@ -158,9 +202,10 @@ def test_gpu_kernel_matches_xla_and_takes_the_layer():
     x, scale, bias = _inputs((8192, 4096), jnp.bfloat16, 3, False)
     n = normalization(x, scale, bias, layernorm_type="layernorm", epsilon=1e-5, zero_centered_gamma=False)
     s = jnp.full((1,), 24.0, jnp.float32)
-    f = jax.jit(lambda n, s: normalized.quantize_both(n, s, jnp.float8_e4m3fn, kernel=True))
-    assert "fp8_layernorm_quantize_both" in f.lower(n, s).compile().as_text()
-    got, want = f(n, s), normalized.quantize_both(n, s, jnp.float8_e4m3fn, kernel=False)
+    y = layernorm(x, scale, bias, layernorm_type="layernorm", epsilon=1e-5, zero_centered_gamma=False)
+    f = jax.jit(lambda n, y, s: normalized.quantize_both(n, y, s, jnp.float8_e4m3fn, kernel=True))
+    assert "fp8_layernorm_quantize_both" in f.lower(n, y, s).compile().as_text()
+    got, want = f(n, y, s), normalized.quantize_both(n, y, s, jnp.float8_e4m3fn, kernel=False)
     for a, b in zip(got[:2], want[:2]):
         assert np.mean(_bytes(a) != _bytes(b)) <= 1e-3
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-2)

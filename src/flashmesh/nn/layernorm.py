@@ -103,7 +103,9 @@ def normalization(x: jax.Array, scale: jax.Array, bias: jax.Array | None, *, lay
     input, row statistics and float32 gamma and beta (`quantization.normalized.Normalization`;
     the statistics are the LayerNorm's own operations, which XLA computes once)."""
     rms = check_layernorm_type(layernorm_type) == "rmsnorm"
-    gamma = scale.astype(jnp.float32) + (1.0 if zero_centered_gamma else 0.0)
+    gamma = scale.astype(jnp.float32)
+    if zero_centered_gamma:  # as `layernorm` (adding 0.0 would turn a -0.0 gamma into +0.0)
+        gamma = gamma + 1.0
     mean, rstd = statistics(x, rms=rms, epsilon=epsilon)
     H = x.shape[-1]
     return Normalization(x.reshape(-1, H), None if rms else mean.reshape(-1, 1), rstd.reshape(-1, 1),

@@ -70,16 +70,21 @@ def _row(v, ndim):
 def statistics(x: jax.Array, *, rms: bool, epsilon: float) -> tuple[jax.Array, jax.Array]:
     """(mean, rstd) of x [..., H] over H, float32 [..., 1] (mean zero for RMSNorm): the forward's
     own reduction (the same operations, so XLA computes them once where both are traced)."""
+    return _statistics(x, rms, epsilon)[:2]
+
+
+def _statistics(x, rms, epsilon):
+    """(mean, rstd, x - mean in float32)."""
     xf = x.astype(jnp.float32)
     mean = jnp.zeros(x.shape[:-1] + (1,), jnp.float32) if rms else jnp.mean(xf, axis=-1, keepdims=True)
     centred = xf - mean
-    return mean, lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + jnp.float32(float(epsilon)))
+    rstd = lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + jnp.float32(float(epsilon)))
+    return mean, rstd, centred
 
 
 def _apply(x, gamma, bias, rms, epsilon):
     """(y, mean, rstd), mean and rstd float32 [..., 1]."""
-    mean, rstd = statistics(x, rms=rms, epsilon=epsilon)
-    centred = x.astype(jnp.float32) - mean
+    mean, rstd, centred = _statistics(x, rms, epsilon)
     y = centred * rstd * _row(gamma, x.ndim)
     if bias is not None:
         y = y + _row(bias, x.ndim)

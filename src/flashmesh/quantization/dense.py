@@ -80,17 +80,17 @@ def quantized_pair(t, state, name, fp8_max, dtype, recipe, source=None):
     """(q, q.T, scale, amax) of one tensor: the stored scale (delayed scaling; the amax comes
     out of the quantising pass) or the tensor's own (current scaling: its amax first). source:
     a `normalized.Normalization` that t is the LayerNorm output of, quantised from its input
-    (t's value is then not read)."""
+    on a lone CUDA device (t's value is then not read by the quantisation)."""
     def both(scale):
         if source is None:
             return layouts.quantize_both(t, scale, dtype)
-        return normalized.quantize_both(source, scale, dtype)
+        return normalized.quantize_both(source, t, scale, dtype)
 
     if isinstance(recipe, DelayedScaling):
         scale = combine.to_float32(state[name][0])
         q, qT, amax_now = both(scale)
         return q, qT, scale, amax_now
-    amax_now = scaling.amax(t if source is None else normalized.apply(source))
+    amax_now = scaling.amax(t)  # XLA fuses the LayerNorm's output into this reduction
     scale = scaling.current_scale(amax_now, fp8_max, recipe)
     q, qT, _ = both(scale)
     return q, qT, scale, amax_now
@@ -109,8 +109,8 @@ def dense(x: jax.Array, kernel: jax.Array, state, recipe: DelayedScaling | Float
           source: normalized.Normalization | None = None):
     """x [M, K] @ kernel [K, N] -> [M, N] in x's dtype, FP8 GEMMs (see the module docstring).
     source: where x is a LayerNorm's output, what it is made of (`normalized.Normalization`
-    over [M, K]): x is then quantised from the LayerNorm's input and never read, and source
-    gets no gradient (x's gradient reaches it through the LayerNorm)."""
+    over [M, K]): on a lone CUDA device x is then quantised from the LayerNorm's input and never
+    written; source gets no gradient (x's gradient reaches it through the LayerNorm)."""
     return _forward(x, kernel, state, recipe, source)[0]
 
 

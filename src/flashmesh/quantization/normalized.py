@@ -1,20 +1,20 @@
 """A LayerNorm's (or RMSNorm's) output quantised to FP8 in both layouts straight from its input
 (TransformerEngine's layernorm + cast-transpose into an FP8 GEMM).
 
-    quantize_both(source, scale, dtype) -> (q [M, K], q.T [K, M], amax [1])    of y = apply(source)
+    quantize_both(source, y, scale, dtype) -> (q [M, K], q.T [K, M], amax [1])    of y
 
-`Normalization` holds what y is made of: the input x [M, K], the row statistics (float32
-[M, 1]; no mean for RMSNorm) and gamma, beta [K] (float32; no beta for RMSNorm), with
-y = ((x - mean) * rstd * gamma + beta) in x's dtype, the arithmetic and the rounding of
-`nn.layernorm_vjp.normalize`'s forward. A LayerNorm in front of an FP8 GEMM
-(`LayerNormDenseGeneral`, `LayerNormMLP`) hands its GEMM this instead of y, so that the
-quantising kernel normalises each tile as it reads x: y itself is never written (on the guide's
-layer each LayerNorm wrote y, 64 MiB of bf16, in a fusion of 0.043 ms that the cast-transpose
-then read back: `loop_convert_fusion` in
-benchmarks/results/2026-12-03-nvidia-h200-layer/c6893e1-profile_fp8.log). The statistics stay
-XLA's reduction over x (the LayerNorm's backward keeps them). The kernel is `layouts`' Pallas
-cast-transpose with the normalisation in front, on the same rule (`kernel=None`: a lone CUDA
-device and sizes that fit it); elsewhere XLA computes y and quantises it as `layouts` does.
+`Normalization` holds what the LayerNorm's output y [M, K] is made of: its input x [M, K], the
+row statistics (float32 [M, 1]; no mean for RMSNorm) and gamma, beta [K] (float32; no beta for
+RMSNorm), with y = ((x - mean) * rstd * gamma + beta) in x's dtype, the arithmetic and the
+rounding of `nn.layernorm_vjp.normalize`'s forward. A LayerNorm in front of an FP8 GEMM
+(`LayerNormDenseGeneral`, `LayerNormMLP`) hands its GEMM this beside y. On a lone CUDA device
+(`kernel=None`, the rule of `layouts.quantize_both`) the quantising kernel normalises each tile
+as it reads x, so y is never written (on the guide's layer each LayerNorm wrote y, 64 MiB of
+bf16, in a fusion of 0.043 ms that the cast-transpose then read back: `loop_convert_fusion` in
+benchmarks/results/2026-12-03-nvidia-h200-layer/c6893e1-profile_fp8.log); the statistics stay
+XLA's reduction over x (the LayerNorm's backward keeps them). Elsewhere y itself is quantised
+as `layouts.quantize_both` does, so other platforms compute exactly what they did without the
+source (XLA, recomputing y inside its fusions, may keep it in more than x's precision).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax import lax
 
 from flashmesh.quantization import layouts, scaling
 
-__all__ = ["Normalization", "apply", "quantize_both"]
+__all__ = ["Normalization", "quantize_both"]
 
 
 class Normalization(NamedTuple):
@@ -51,41 +51,32 @@ class Normalization(NamedTuple):
         return self
 
 
-def apply(n: Normalization) -> jax.Array:
-    """y in x's dtype, computed as `nn.layernorm_vjp.normalize`'s forward computes it."""
-    v = n.x.astype(jnp.float32)
-    if n.mean is not None:
-        v = v - n.mean
-    v = v * n.rstd * n.gamma.astype(jnp.float32).reshape(1, -1)
-    if n.beta is not None:
-        v = v + n.beta.astype(jnp.float32).reshape(1, -1)
-    return v.astype(n.x.dtype)
-
-
-def quantize_both(n: Normalization, scale: jax.Array, dtype, *, kernel: bool | None = None):
-    """(q, q.T, amax) of y = apply(n) as `layouts.quantize_both(y, scale, dtype)` gives them.
-    kernel: True the Pallas kernel (interpret mode off a GPU; ValueError where x does not fit
-    it), False XLA's form, None the kernel on a lone CUDA device where x fits it."""
+def quantize_both(n: Normalization, y: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None = None):
+    """(q, q.T, amax) of the LayerNorm's output y [M, K] (made as n says), as
+    `layouts.quantize_both(y, scale, dtype)` gives them. kernel: True the Pallas kernel from n
+    (interpret mode off a GPU; ValueError where x does not fit it; y is not read), False
+    `layouts.quantize_both` of y, None the kernel on a lone CUDA device where x fits it."""
     n = n.check()
+    if y.shape != n.x.shape or y.dtype != n.x.dtype:
+        raise ValueError(f"y must have x's shape and dtype {n.x.shape} {n.x.dtype}, got {y.shape} {y.dtype}")
     interpret = kernel is True and jax.default_backend() != "gpu"
 
-    def xla(n, scale):
-        y = apply(n)
+    def xla(n, y, scale):
         q = scaling.quantize(y, scale, dtype)
         return q, layouts.byte_transpose(q), scaling.local_amax(y)
 
-    def cuda(n, scale):
+    def cuda(n, y, scale):
         return _kernel(n, scale, dtype, interpret=interpret)
 
     if kernel is None:
-        choose = (lambda n, s: lax.platform_dependent(n, s, cuda=cuda, default=xla)) if (
+        choose = (lambda *args: lax.platform_dependent(*args, cuda=cuda, default=xla)) if (
             layouts.kernel_fits(n.x) and layouts.one_device_program()) else xla
     elif kernel and not layouts.kernel_fits(n.x):
         raise ValueError(f"x of shape {n.x.shape} and dtype {n.x.dtype} does not fit the kernel: sizes "
                          f"multiples of ({layouts.GEOMETRY.rows}, {layouts.GEOMETRY.cols}), bf16/f16/f32")
     else:
         choose = cuda if kernel else xla
-    q, qt, amax = choose(n, scale)
+    q, qt, amax = choose(n, y, scale)
     return q, qt, scaling.reduce_amax(amax, n.x)
 
 
