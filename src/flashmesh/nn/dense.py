@@ -81,9 +81,10 @@ def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n
 
 def fp8_source(source, x2: jax.Array, n_contract: int):
     """The LayerNorm's `Normalization` an FP8 GEMM quantises x2 [M, K] from (so the LayerNorm's
-    output is never written), or None: only where it describes x2 itself (one contracted axis,
-    the normalised one) in a program on one device with no mesh, where sharding constraints on
-    the GEMM's input (`dot_input_axes`) would otherwise be bypassed."""
+    output is never written), or None: it is passed only where it describes x2 itself (one
+    contracted axis, the normalised one) and the program runs on one device with no mesh (under
+    a mesh, quantising from x would bypass the sharding constraints on the GEMM's input,
+    `dot_input_axes`; the kernel runs on one device only anyway)."""
     if source is None or n_contract != 1 or source.x.shape != x2.shape or not layouts.one_device_program():
         return None
     return source
