@@ -186,11 +186,7 @@ def _forward_kernel(h, bias, scale, acts, dtype, *, interpret: bool):
 
     def body(*refs):
         vs, (s_ref, q_ref, qt_ref, amax_ref) = _read(refs, n, has_bias)
-        a = _kernel_activate(acts, vs, interpret)
-        s = s_ref[0]
-        q_ref[...] = layouts.quantize_tile(a, s, dtype)
-        qt_ref[...] = layouts.quantize_tile(a.T, s, dtype)
-        amax_ref[...] = layouts.tile_amax(a)
+        layouts.write_tile(_kernel_activate(acts, vs, interpret), s_ref[0], dtype, q_ref, qt_ref, amax_ref)
 
     grid = (M // R, J)
     operands = [h] * n + ([bias] * n if has_bias else []) + [scale.reshape(1).astype(jnp.float32)]
@@ -223,10 +219,7 @@ def _backward_kernel(g, h, bias, scale, acts, dtype, *, interpret: bool):
         dv = dvs[0]
         if n == 2:
             dv = jnp.where(pl.program_id(1) < J, dvs[0], dvs[1])
-        s = s_ref[0]
-        q_ref[...] = layouts.quantize_tile(dv, s, dtype)
-        qt_ref[...] = layouts.quantize_tile(dv.T, s, dtype)
-        amax_ref[...] = layouts.tile_amax(dv)
+        layouts.write_tile(dv, s_ref[0], dtype, q_ref, qt_ref, amax_ref)
         if has_bias:
             rest[4][...] = jnp.sum(dv, axis=0).reshape(1, C)
 

@@ -32,7 +32,7 @@ from jax import lax
 
 from flashmesh.quantization import scaling
 
-__all__ = ["GEOMETRY", "Geometry", "byte_transpose", "kernel_fits", "one_device_program", "quantize_both",
+__all__ = ["GEOMETRY", "Geometry", "byte_transpose", "kernel_fits", "one_device_program", "quantize_both", "write_tile", "xla_form",
            "typed_sharding"]
 
 class Geometry(NamedTuple):
@@ -116,9 +116,9 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None 
         if kernel_fits(x) and one_device_program():
             local = lax.platform_dependent(
                 x, scale, cuda=lambda x, s: _kernel(x, s, dtype, interpret=False),
-                default=lambda x, s: _xla(x, s, dtype))
+                default=lambda x, s: xla_form(x, s, dtype))
         else:
-            local = _xla(x, scale, dtype)
+            local = xla_form(x, scale, dtype)
     elif kernel:
         if not kernel_fits(x):
             raise ValueError(f"x of shape {x.shape} and dtype {x.dtype} does not fit the kernel: sizes "
@@ -126,7 +126,7 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None 
                              f"sharded in its type")
         local = _kernel(x, scale, dtype, interpret=jax.default_backend() != "gpu")
     else:
-        local = _xla(x, scale, dtype)
+        local = xla_form(x, scale, dtype)
     q, qt, amax = local
     return q, qt, scaling.reduce_amax(amax, x)
 
@@ -147,7 +147,8 @@ def kernel_fits(x) -> bool:
             and not typed_sharding(x) and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
-def _xla(x, scale, dtype):
+def xla_form(x, scale, dtype):
+    """`quantize_both`'s XLA form on this device: (q, q.T by `byte_transpose`, local amax)."""
     q = scaling.quantize(x, scale, dtype)
     return q, byte_transpose(q), scaling.local_amax(x)
 
@@ -158,11 +159,7 @@ def _kernel(x, scale, dtype, *, interpret: bool):
     M, K = x.shape
 
     def body(x_ref, s_ref, q_ref, qt_ref, amax_ref):
-        v = x_ref[...].astype(jnp.float32)
-        s = s_ref[0]
-        q_ref[...] = quantize_tile(v, s, dtype)
-        qt_ref[...] = quantize_tile(v.T, s, dtype)
-        amax_ref[...] = tile_amax(v)
+        write_tile(x_ref[...].astype(jnp.float32), s_ref[0], dtype, q_ref, qt_ref, amax_ref)
 
     R, C = GEOMETRY.rows, GEOMETRY.cols
     grid = (M // R, K // C)
@@ -175,6 +172,14 @@ def _kernel(x, scale, dtype, *, interpret: bool):
         compiler_params=compiler_params(), interpret=interpret,
         name="fp8_quantize_both")(x, scale.reshape(1).astype(jnp.float32))
     return q, qt, jnp.max(tiles)
+
+
+def write_tile(v, s, dtype, q_ref, qt_ref, amax_ref):
+    """Inside a quantise kernel: the float32 tile v quantised with scale s into both layouts'
+    refs, and its amax."""
+    q_ref[...] = quantize_tile(v, s, dtype)
+    qt_ref[...] = quantize_tile(v.T, s, dtype)
+    amax_ref[...] = tile_amax(v)
 
 
 def quantize_tile(v, s, dtype):

@@ -62,8 +62,7 @@ def quantize_both(n: Normalization, y: jax.Array, scale: jax.Array, dtype, *, ke
     interpret = kernel is True and jax.default_backend() != "gpu"
 
     def xla(n, y, scale):
-        q = scaling.quantize(y, scale, dtype)
-        return q, layouts.byte_transpose(q), scaling.local_amax(y)
+        return layouts.xla_form(y, scale, dtype)
 
     def cuda(n, y, scale):
         return _kernel(n, scale, dtype, interpret=interpret)
@@ -98,11 +97,8 @@ def _kernel(n: Normalization, scale, dtype, *, interpret: bool):
         if has_beta:
             v = v + refs.pop(0)[...]
         v = v.astype(n.x.dtype).astype(jnp.float32)  # y as the LayerNorm rounds it
-        s_ref, q_ref, qt_ref, amax_ref = refs
-        s = s_ref[0]
-        q_ref[...] = layouts.quantize_tile(v, s, dtype)
-        qt_ref[...] = layouts.quantize_tile(v.T, s, dtype)
-        amax_ref[...] = layouts.tile_amax(v)
+        s_ref, *outs = refs
+        layouts.write_tile(v, s_ref[0], dtype, *outs)
 
     row = lambda a: a.astype(jnp.float32).reshape(1, K)  # noqa: E731
     operands = [n.x] + ([n.mean] if has_mean else []) + [n.rstd, row(n.gamma)] + (
