@@ -23,8 +23,9 @@ from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import layouts
 from flashmesh.quantization import state as qstate
 from flashmesh.quantization.dense import dense as fp8_dense
+from flashmesh.quantization.dense import dense_parts as fp8_dense_parts
 
-__all__ = ["dense_general", "DenseGeneral", "LayerNormDenseGeneral", "default_kernel_init",
+__all__ = ["dense_general", "dense_general_parts", "DenseGeneral", "LayerNormDenseGeneral", "default_kernel_init",
            "constrain", "contracting_axes"]
 
 
@@ -52,7 +53,7 @@ def contracting_axes(axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
 
 
 def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n_contract: int,
-                  recipe=None, state=None, bias=None, source=None) -> Float[Array, "... N..."]:
+                  recipe=None, state=None, bias=None, source=None):
     """x's trailing `n_contract` axes contracted with kernel's leading ones, in x's dtype.
 
     recipe None: a dot in x's dtype; otherwise an FP8 GEMM (`flashmesh.quantization.dense`)
@@ -61,22 +62,45 @@ def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n
     (after the reshape to [..., N...] it stays a separate pass over the output). source: where x
     is a LayerNorm's output, what it is made of (`quantization.normalized.Normalization`); see
     `fp8_source`."""
-    lead, inner = x.shape[:x.ndim - n_contract], x.shape[x.ndim - n_contract:]
-    if tuple(kernel.shape[:n_contract]) != tuple(inner):
-        raise ValueError(f"kernel's contracted shape {kernel.shape[:n_contract]} must equal the "
-                         f"input's {inner}")
-    out_shape = kernel.shape[n_contract:]
-    k_dim, n_dim = math.prod(inner), math.prod(out_shape)
-    x2, k2 = x.reshape(-1, k_dim), kernel.reshape(k_dim, n_dim)
+    x2, k2, lead, out_shape = _flatten(x, kernel, n_contract, bias)
     if recipe is None:
         y = lax.dot_general(x2, _cast_for_gemm(k2, x.dtype), (((1,), (0,)), ((), ())))
     else:
         y = fp8_dense(x2, k2, state, recipe, fp8_source(source, x2, n_contract))
     if bias is not None:
-        if tuple(bias.shape) != tuple(out_shape):
-            raise ValueError(f"bias.shape={bias.shape} must equal the kernel's output shape {out_shape}")
-        y = y + bias.reshape(1, n_dim).astype(y.dtype)
+        y = y + bias.reshape(1, -1).astype(y.dtype)
     return y.reshape(*lead, *out_shape)
+
+
+def dense_general_parts(x, kernel, n_contract: int, recipe=None, state=None, bias=None,
+                        source=None) -> tuple[jax.Array, ...]:
+    """`dense_general` split over the kernel's first output axis: a tuple of arrays
+    [..., N_rest...], y[..., i, ...] for each index i (a fused QKV projection's q, k and v).
+    Under FP8 (recipe given, no typed sharding) the GEMM is `quantization.dense_parts`, whose
+    backward quantises the parts' gradients where they lie instead of packing them first."""
+    x2, k2, lead, out_shape = _flatten(x, kernel, n_contract, bias)
+    if len(out_shape) < 2:
+        raise ValueError(f"the kernel needs two output axes or more to split, got {out_shape}")
+    if recipe is None or layouts.typed_sharding(x2) or layouts.typed_sharding(k2):
+        y = dense_general(x, kernel, n_contract, recipe, state, bias, source)
+        return _split(y, len(out_shape))
+    flat_bias = None if bias is None else bias.reshape(-1)
+    ys = fp8_dense_parts(x2, k2, flat_bias, state, recipe, out_shape[0],
+                         fp8_source(source, x2, n_contract))
+    return tuple(y.reshape(*lead, *out_shape[1:]) for y in ys)
+
+
+def _flatten(x, kernel, n_contract, bias):
+    """(x [M, K], kernel [K, N], x's leading shape, the kernel's output shape), checked."""
+    lead, inner = x.shape[:x.ndim - n_contract], x.shape[x.ndim - n_contract:]
+    if tuple(kernel.shape[:n_contract]) != tuple(inner):
+        raise ValueError(f"kernel's contracted shape {kernel.shape[:n_contract]} must equal the "
+                         f"input's {inner}")
+    out_shape = kernel.shape[n_contract:]
+    if bias is not None and tuple(bias.shape) != tuple(out_shape):
+        raise ValueError(f"bias.shape={bias.shape} must equal the kernel's output shape {out_shape}")
+    k_dim, n_dim = math.prod(inner), math.prod(out_shape)
+    return x.reshape(-1, k_dim), kernel.reshape(k_dim, n_dim), lead, out_shape
 
 
 def fp8_source(source, x2: jax.Array, n_contract: int):
@@ -103,6 +127,12 @@ def _cast_for_gemm(kernel: jax.Array, dtype) -> jax.Array:
     return lax.optimization_barrier(kernel.astype(dtype))
 
 
+def _split(y: jax.Array, n_features: int) -> tuple[jax.Array, ...]:
+    """y [..., F0, F...] -> (y[..., 0, F...], ..., y[..., F0 - 1, F...])."""
+    rest = (slice(None),) * (n_features - 1)
+    return tuple(y[(..., i) + rest] for i in range(y.shape[y.ndim - n_features]))
+
+
 def _features(features) -> tuple[int, ...]:
     return (features,) if isinstance(features, int) else tuple(features)
 
@@ -110,8 +140,12 @@ def _features(features) -> tuple[int, ...]:
 class _Projection(nn.Module):
     """What DenseGeneral and LayerNormDenseGeneral share: kernel, bias, LoRA, the GEMM."""
 
-    def project(self, x, axes: tuple[int, ...], postfix: str = "", source=None) -> jax.Array:
+    def project(self, x, axes: tuple[int, ...], postfix: str = "", source=None):
+        """y = x @ kernel (+ bias, + LoRA) over `axes`; with `split_features` the tuple of
+        y[..., i, ...] over the first features axis."""
         features = _features(self.features)
+        if self.split_features and len(features) < 2:
+            raise ValueError(f"split_features needs two features axes or more, got features={self.features!r}")
         if axes != tuple(range(x.ndim - len(axes), x.ndim)):  # contracted axes go last
             x = jnp.moveaxis(x, axes, tuple(range(x.ndim - len(axes), x.ndim)))
             source = None  # it describes x's original layout
@@ -127,8 +161,11 @@ class _Projection(nn.Module):
         if self.use_bias:
             bias = partitioning.param_with_axes("bias", self.bias_init, features, self.dtype,
                                                 axes=tuple(self.bias_axes), module=self)
+        if self.split_features and lora is None:
+            return dense_general_parts(x, kernel, n_in, recipe, state, bias, source)
         y = dense_general(x, kernel, n_in, recipe, state, bias, source)
-        return y if lora is None else y + lora
+        y = y if lora is None else y + lora
+        return _split(y, len(features)) if self.split_features else y
 
     def _lora(self, x, in_shape, features) -> jax.Array:
         """TE's low-rank adaptation, one adapter per leading output index (a fused QKV
@@ -176,6 +213,10 @@ class DenseGeneral(_Projection):
       input_axes: logical sharding constraint on the input.
       transpose_batch_sequence: accepted (the GEMM does not care which leading axis is which).
       quantization_checkpoint_name: None (a name raises NotImplementedError).
+      split_features: return y as the tuple of y[..., i, ...] over the first of two or more
+        features axes (flashmesh's field: a fused QKV projection's q, k, v). Under FP8 autocast
+        the GEMM's gradient is then quantised from the parts as they come back, not packed first
+        (`quantization.dense_parts`).
 
     Example:
       >>> y = DenseGeneral(features=3 * 4096, use_bias=True).apply(variables, x)  # x [B, T, 4096]
@@ -195,9 +236,10 @@ class DenseGeneral(_Projection):
     input_axes: tuple[str, ...] = ()
     transpose_batch_sequence: bool = False
     quantization_checkpoint_name: str | None = None
+    split_features: bool = False
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array):
         _no_checkpoint_name(self)
         inputs = constrain(inputs, self.input_axes)
         return self.project(inputs, contracting_axes(self.axis, inputs.ndim))
@@ -213,6 +255,7 @@ class LayerNormDenseGeneral(_Projection):
       return_layernorm_output: also return the normalised input (else None).
       layernorm_input_axes, dot_input_axes: logical sharding constraints.
       depth_scaling: divide the output by this (None: no scaling).
+      split_features: y as a tuple over the first features axis, as DenseGeneral's.
 
     Returns (y, layernorm output or None).
 
@@ -245,9 +288,10 @@ class LayerNormDenseGeneral(_Projection):
     depth_scaling: float | None = None
     transpose_batch_sequence: bool = False
     quantization_checkpoint_name: str | None = None
+    split_features: bool = False
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def __call__(self, inputs: jax.Array) -> tuple[jax.Array | tuple[jax.Array, ...], jax.Array | None]:
         _no_checkpoint_name(self)
         x, source = input_layernorm(self, constrain(inputs, self.layernorm_input_axes)
                                     if self.enable_layernorm else inputs)
@@ -255,5 +299,5 @@ class LayerNormDenseGeneral(_Projection):
         x = constrain(x, self.dot_input_axes)
         y = self.project(x, contracting_axes(self.axis, x.ndim), source=source)
         if self.depth_scaling is not None:
-            y = y / jnp.asarray(self.depth_scaling, y.dtype)
+            y = jax.tree.map(lambda t: t / jnp.asarray(self.depth_scaling, t.dtype), y)
         return y, ln_out

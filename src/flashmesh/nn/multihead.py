@@ -275,8 +275,9 @@ class MultiHeadAttention(nn.Module):
         return which in lora_scope(self.low_rank_adaptation_scope)
 
     def _dense(self, features, kernel_axes, bias_axes, name, kernel_init, lora="qkv"):
-        return DenseGeneral(features=features, kernel_init=kernel_init, kernel_axes=kernel_axes,
-                            use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=bias_axes,
+        return DenseGeneral(features=features, split_features=not isinstance(features, int),
+                            kernel_init=kernel_init, kernel_axes=kernel_axes, use_bias=self.use_bias,
+                            bias_init=self.bias_init, bias_axes=bias_axes,
                             enable_low_rank_adaptation=self._lora(lora),
                             low_rank_adaptation_dim=self.low_rank_adaptation_dim,
                             low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
@@ -284,7 +285,8 @@ class MultiHeadAttention(nn.Module):
 
     def _ln_dense(self, features, kernel_axes, bias_axes, name, kernel_init, return_ln):
         return LayerNormDenseGeneral(
-            features=features, enable_layernorm=self.input_layernorm,
+            features=features, split_features=not isinstance(features, int),
+            enable_layernorm=self.input_layernorm,
             layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
             zero_centered_gamma=self.zero_centered_gamma, scale_axes=("embed",),
             ln_bias_axes=("embed",), kernel_init=kernel_init, kernel_axes=kernel_axes,
@@ -301,8 +303,9 @@ class MultiHeadAttention(nn.Module):
             qkv, ln_out = self._ln_dense((3, N * H), ("embed", "qkv_dim", "joined_kv"),
                                          ("qkv_dim", "joined_kv"), "qkv", self._stacked_init(True),
                                          self.return_layernorm_output)(inputs_q)
-            qkv = checkpoint_name(qkv, "combined_qkv_proj")
-            return heads(qkv[..., 0, :], N), heads(qkv[..., 1, :], K), heads(qkv[..., 2, :], K), ln_out
+            # q, k, v apart (split_features): their gradients reach the FP8 GEMM unpacked.
+            q, k, v = checkpoint_name(qkv, "combined_qkv_proj")
+            return heads(q, N), heads(k, K), heads(v, K), ln_out
         query, ln_out = self._ln_dense(N * H, ("embed", "joined_kv"), ("joined_kv",), "query",
                                        self._query_init,
                                        self.return_layernorm_output or self_attention)(inputs_q)
@@ -311,8 +314,7 @@ class MultiHeadAttention(nn.Module):
         if self.fuse_qkv_params:
             kv = self._dense((2, K * H), ("embed", "kv_dim", "joined_kv"), ("kv_dim", "joined_kv"),
                              "kv", self._stacked_init(False))(kv_in)
-            kv = checkpoint_name(kv, "combined_kv_proj")
-            key, value = kv[..., 0, :], kv[..., 1, :]
+            key, value = checkpoint_name(kv, "combined_kv_proj")
         else:
             key = self._dense(K * H, ("embed", "joined_kv"), ("joined_kv",), "key", self._init())(kv_in)
             value = self._dense(K * H, ("embed", "joined_kv"), ("joined_kv",), "value",

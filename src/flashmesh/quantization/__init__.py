@@ -10,12 +10,12 @@ MeshResource). The Flax modules of `flashmesh.nn` quantise their GEMMs inside it
 """
 
 from flashmesh.quantization.autocast import active_recipe, autocast
-from flashmesh.quantization.dense import dense
+from flashmesh.quantization.dense import dense, dense_parts
 from flashmesh.quantization.recipe import (DelayedScaling, Float8CurrentScaling, Format, MMParams,
                                            MXFP8BlockScaling, NVFP4BlockScaling)
 from flashmesh.quantization.state import (COLLECTION, accumulate_gradients, combine_by_max,
                                           update_fp8_metas, written_state)
 
-__all__ = ["autocast", "active_recipe", "dense", "DelayedScaling", "Float8CurrentScaling",
+__all__ = ["autocast", "active_recipe", "dense", "dense_parts", "DelayedScaling", "Float8CurrentScaling",
            "Format", "MMParams", "MXFP8BlockScaling", "NVFP4BlockScaling", "COLLECTION",
            "accumulate_gradients", "combine_by_max", "update_fp8_metas", "written_state"]

@@ -33,9 +33,10 @@ from jax import lax
 
 from flashmesh.attention.varying import summed_like
 from flashmesh.quantization import combine, layouts, normalized, scaling
+from flashmesh.quantization import parts as quantize_parts
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling
 
-__all__ = ["dense", "gemm", "quantized_pair", "updated_state", "TN"]
+__all__ = ["dense", "dense_parts", "gemm", "quantized_pair", "updated_state", "TN"]
 
 TN = (((1,), (1,)), ((), ()))  # contract axis 1 of both operands: A [M, K], B [N, K]
 
@@ -86,14 +87,20 @@ def quantized_pair(t, state, name, fp8_max, dtype, recipe, source=None):
             return layouts.quantize_both(t, scale, dtype)
         return normalized.quantize_both(source, t, scale, dtype)
 
+    (q, qT, amax_now), scale = _scaled(both, lambda: scaling.amax(t), state, name, fp8_max, recipe)
+    return q, qT, scale, amax_now
+
+
+def _scaled(quantize, amax_of, state, name, fp8_max, recipe):
+    """(quantize(scale), scale): the stored scale (delayed scaling; quantize's third result is
+    the amax) or the one amax_of() gives (current scaling, whose amax then replaces the third)."""
     if isinstance(recipe, DelayedScaling):
         scale = combine.to_float32(state[name][0])
-        q, qT, amax_now = both(scale)
-        return q, qT, scale, amax_now
-    amax_now = scaling.amax(t)  # XLA fuses the LayerNorm's output into this reduction
+        return quantize(scale), scale
+    amax_now = amax_of()  # XLA fuses the producer (a LayerNorm's output) into this reduction
     scale = scaling.current_scale(amax_now, fp8_max, recipe)
-    q, qT, _ = both(scale)
-    return q, qT, scale, amax_now
+    out = quantize(scale)
+    return (*out[:2], amax_now, *out[3:]), scale
 
 
 def updated_state(state, amaxes, maxes, recipe):
@@ -129,11 +136,17 @@ def _forward(x, kernel, state, recipe, source=None):
 
 
 def _backward(recipe, residuals, g):
+    fmt = recipe.fp8_format
+    gq, gqT, sg, ag = quantized_pair(g, residuals[6], "grad", fmt.max_bwd, fmt.backward_dtype, recipe)
+    return (*_gradients(recipe, residuals, gq, gqT, sg, ag, g.dtype), None)  # the source's comes through x's
+
+
+def _gradients(recipe, residuals, gq, gqT, sg, ag, g_dtype):
+    """(dx, dkernel, the state's cotangent) from the quantised gradient of y (both layouts)."""
     xqT, kq, sx, sk, ax, ak, state, k_like = residuals
     fmt = recipe.fp8_format
-    gq, gqT, sg, ag = quantized_pair(g, state, "grad", fmt.max_bwd, fmt.backward_dtype, recipe)
     shardings = _shardings(xqT, kq, x_transposed=True)
-    dx = gemm(gq, kq, (1.0 / sg) * (1.0 / sk), g.dtype, shardings["dx"])  # g has y's dtype, which is x's
+    dx = gemm(gq, kq, (1.0 / sg) * (1.0 / sk), g_dtype, shardings["dx"])  # g has y's dtype, which is x's
     # dw straight in the kernel's dtype: a float32 GEMM output ran faster than bf16 and its
     # convert (0.714 against 0.806 ms for FC1's [4096, 16384] over 8192 tokens on the H200,
     # still cuBLASLt's FP8 call; benchmarks/results/2026-12-03-nvidia-h200-layernorm/).
@@ -141,7 +154,48 @@ def _backward(recipe, residuals, g):
     dx, dw = summed_like(dx, xqT), summed_like(dw, kq)
     maxes = {"x": fmt.max_fwd, "kernel": fmt.max_fwd, "grad": fmt.max_bwd}
     new = updated_state(state, {"x": ax, "kernel": ak, "grad": ag}, maxes, recipe)
-    return dx, dw, new, None  # the source's gradient comes through x's
+    return dx, dw, new
 
 
 dense.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def dense_parts(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, state,
+                recipe: DelayedScaling | Float8CurrentScaling, parts: int,
+                source: normalized.Normalization | None = None) -> tuple[jax.Array, ...]:
+    """`dense(x, kernel, state, recipe, source)` (+ bias [N], added in x's dtype) returned as
+    `parts` arrays [M, N / parts], its column blocks in order (a fused QKV projection's q, k
+    and v). Their gradients are quantised where they lie (`parts.quantize_parts`: on a lone CUDA
+    device one kernel, which also sums the bias gradient) instead of being packed into [M, N]
+    first; the values and gradients are those of `dense` followed by the split."""
+    return _parts_forward(x, kernel, bias, state, recipe, parts, source)[0]
+
+
+def _parts_forward(x, kernel, bias, state, recipe, parts, source=None):
+    if parts < 1 or kernel.shape[1] % parts:
+        raise ValueError(f"parts={parts} must divide the kernel's {kernel.shape[1]} output columns")
+    if bias is not None and tuple(bias.shape) != (kernel.shape[1],):
+        raise ValueError(f"bias.shape={bias.shape} must be ({kernel.shape[1]},)")
+    y, residuals = _forward(x, kernel, state, recipe, source)
+    if bias is not None:
+        y = y + bias.reshape(1, -1).astype(y.dtype)
+    b_like = None if bias is None else bias[:0]  # its dtype, and where it varies in shard_map
+    return tuple(jnp.split(y, parts, axis=1)), (residuals, b_like)
+
+
+def _parts_backward(recipe, parts, saved, gs):
+    residuals, b_like = saved
+    state, fmt = residuals[6], recipe.fp8_format
+
+    def quantize(scale):
+        return quantize_parts.quantize_parts(gs, scale, fmt.backward_dtype)
+
+    (gq, gqT, ag, sums), sg = _scaled(quantize, lambda: jnp.max(jnp.stack([scaling.amax(g) for g in gs])),
+                                      state, "grad", fmt.max_bwd, recipe)
+    dx, dw, new = _gradients(recipe, residuals, gq, gqT, sg, ag, gs[0].dtype)
+    dbias = None if b_like is None else summed_like(sums.astype(b_like.dtype), b_like)
+    return dx, dw, dbias, new, None
+
+
+dense_parts.defvjp(_parts_forward, _parts_backward)
