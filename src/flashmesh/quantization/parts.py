@@ -76,7 +76,7 @@ def quantize_parts(parts: Sequence[jax.Array], scale: jax.Array, dtype, *, kerne
 
 def _kernel(parts, scale, dtype, *, interpret: bool):
     """Grid (M / R, p * J): the program at column block c reads part c // J's block c % J
-    (only that part's tile is loaded: the other parts' reads sit in untaken branches)."""
+    (only that part's tile is loaded: the other parts' loads sit in untaken branches)."""
     from jax.experimental import pallas as pl
 
     n = len(parts)
@@ -86,13 +86,11 @@ def _kernel(parts, scale, dtype, *, interpret: bool):
 
     def body(*refs):
         part_refs, (s_ref, q_ref, qt_ref, amax_ref, sums_ref) = refs[:n], refs[n:]
-        which = pl.program_id(1) // J
-        for k, ref in enumerate(part_refs):
-            @pl.when(which == k)
-            def _(ref=ref):
-                v = ref[...].astype(jnp.float32)
-                layouts.write_tile(v, s_ref[0], dtype, q_ref, qt_ref, amax_ref)
-                sums_ref[...] = jnp.sum(v, axis=0).reshape(1, C)
+        # Each branch loads its part's tile (the pattern of jax's Triton decode attention: a
+        # cond returning what its branch loaded); the writes follow outside the branches.
+        v = lax.switch(pl.program_id(1) // J, [lambda r=r: r[...].astype(jnp.float32) for r in part_refs])
+        layouts.write_tile(v, s_ref[0], dtype, q_ref, qt_ref, amax_ref)
+        sums_ref[...] = jnp.sum(v, axis=0).reshape(1, C)
 
     grid = (M // R, n * J)
     part_spec = pl.BlockSpec((R, C), lambda i, c: (i, c % J))
