@@ -127,9 +127,11 @@ MODULES = {
 }
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
-                         ids=["delayed", "current"])
-@pytest.mark.parametrize("which", sorted(MODULES))
+# Every module with delayed scaling; current scaling (whose amax comes from y before the
+# quantisation) on the RMSNorm projection and the gated MLP.
+@pytest.mark.parametrize("which,recipe", [(w, DelayedScaling(amax_history_len=4)) for w in sorted(MODULES)]
+                         + [(w, Float8CurrentScaling()) for w in ("ln_dense_rms", "ln_mlp_gated")],
+                         ids=[f"{w}-delayed" for w in sorted(MODULES)] + ["ln_dense_rms-current", "ln_mlp_gated-current"])
 def test_modules_quantise_the_layernorm_from_its_input(which, recipe, one_device, monkeypatch):
     """On one device the GEMM after the LayerNorm quantises from the LayerNorm's input; the loss,
     the gradients (x, gamma, beta, weights) and the FP8 state's new value equal the path that
