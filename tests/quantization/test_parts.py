@@ -58,8 +58,10 @@ def test_a_nan_reaches_the_amax_and_the_sum():
 
 def test_refusals():
     a, b = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"parts\[1\] must be 2-D with parts\[0\]'s shape"):
+    with pytest.raises(ValueError, match=r"parts\[1\] must have parts\[0\]'s shape and dtype"):
         parts.quantize_parts([a, b], jnp.ones((1,)), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"parts\[0\] must be 2-D, got shape \(64,\)"):
+        parts.quantize_parts([a[0]], jnp.ones((1,)), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="at least one array"):
         parts.quantize_parts([], jnp.ones((1,)), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="do not fit the kernel"):
@@ -69,6 +71,8 @@ def test_refusals():
         q_dense.dense_parts(x, k, None, None, Float8CurrentScaling(), 5)
     with pytest.raises(ValueError, match=r"bias.shape=\(32,\) must be \(96,\)"):
         q_dense.dense_parts(x, k, jnp.ones((32,)), None, Float8CurrentScaling(), 3)
+    with pytest.raises(ValueError, match=r"kernel's output shape \(96,\) must have two axes or more"):
+        nn_dense.dense_general_parts(x, k, 1)
     with pytest.raises(ValueError, match="split_features needs two features axes"):
         te_flax.DenseGeneral(features=96, split_features=True).init(jax.random.key(0), x)
 
@@ -116,6 +120,40 @@ def test_dense_parts_is_dense_then_split(kernel, recipe, bias, monkeypatch):
         np.testing.assert_allclose(db, db_w, rtol=2e-2, atol=0.5)
     else:
         assert db is None and db_w is None
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_dense_parts_inside_shard_map(recipe):
+    """Tokens split over 4 devices, kernel and bias replicated: dx, dkernel and the state's
+    cotangent (amaxes taken over all devices) are those of dense + split; dbias is every
+    device's sum, added up (against a float64 sum)."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+    ks = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(ks[0], (256, 64), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (64, 2 * 64), jnp.float32) * 0.1
+    b = jax.random.normal(ks[2], (2 * 64,), jnp.float32)
+    dys = jax.random.normal(ks[3], (2, 256, 64), jnp.float32)
+    st = _state() if isinstance(recipe, DelayedScaling) else None
+    P = jax.P
+
+    def run(f):
+        def local(x, w, b, st, dys):
+            return jax.grad(lambda x, w, b, st: sum(jnp.vdot(y.astype(jnp.float32), dy) for y, dy in zip(
+                f(x, w, b, st), dys)), argnums=(0, 1, 2, 3))(x, w, b, st)
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P(), P(), P(None, "data")),
+                                     out_specs=(P("data"), P(), P(), P())))(x, w, b, st, dys)
+
+    def packed(x, w, b, st):
+        y = q_dense.dense(x, w, st, recipe)
+        return jnp.split(y + b.reshape(1, -1).astype(y.dtype), 2, axis=1)
+
+    dx, dw, db, dst = run(lambda x, w, b, st: q_dense.dense_parts(x, w, b, st, recipe, 2))
+    dx_w, dw_w, db_w, dst_w = run(packed)
+    for a, c in zip(jax.tree.leaves((dx, dw, dst)), jax.tree.leaves((dx_w, dw_w, dst_w))):
+        np.testing.assert_array_equal(a, c)
+    g = np.asarray(dys.astype(jnp.bfloat16), np.float64)
+    np.testing.assert_allclose(db, np.concatenate([gi.sum(axis=0) for gi in g]), rtol=1e-6, atol=1e-4)
 
 
 def _module_step(module, x, recipe, outputs, n_inputs=1):

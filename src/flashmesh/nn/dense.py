@@ -53,7 +53,7 @@ def contracting_axes(axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
 
 
 def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n_contract: int,
-                  recipe=None, state=None, bias=None, source=None):
+                  recipe=None, state=None, bias=None, source=None) -> Float[Array, "... N..."]:
     """x's trailing `n_contract` axes contracted with kernel's leading ones, in x's dtype.
 
     recipe None: a dot in x's dtype; otherwise an FP8 GEMM (`flashmesh.quantization.dense`)
@@ -80,7 +80,7 @@ def dense_general_parts(x, kernel, n_contract: int, recipe=None, state=None, bia
     backward quantises the parts' gradients where they lie instead of packing them first."""
     x2, k2, lead, out_shape = _flatten(x, kernel, n_contract, bias)
     if len(out_shape) < 2:
-        raise ValueError(f"the kernel needs two output axes or more to split, got {out_shape}")
+        raise ValueError(f"kernel's output shape {tuple(out_shape)} must have two axes or more to split")
     if recipe is None or layouts.typed_sharding(x2) or layouts.typed_sharding(k2):
         y = dense_general(x, kernel, n_contract, recipe, state, bias, source)
         return _split(y, len(out_shape))
@@ -216,7 +216,8 @@ class DenseGeneral(_Projection):
       split_features: return y as the tuple of y[..., i, ...] over the first of two or more
         features axes (flashmesh's field: a fused QKV projection's q, k, v). Under FP8 autocast
         the GEMM's gradient is then quantised from the parts as they come back, not packed first
-        (`quantization.dense_parts`).
+        (`quantization.dense_parts`; its bias gradient is a float32 sum), except with LoRA or a
+        mesh with Explicit axes, where the split follows the GEMM.
 
     Example:
       >>> y = DenseGeneral(features=3 * 4096, use_bias=True).apply(variables, x)  # x [B, T, 4096]

@@ -168,7 +168,10 @@ def dense_parts(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, state,
     `parts` arrays [M, N / parts], its column blocks in order (a fused QKV projection's q, k
     and v). Their gradients are quantised where they lie (`parts.quantize_parts`: on a lone CUDA
     device one kernel, which also sums the bias gradient) instead of being packed into [M, N]
-    first; the values and gradients are those of `dense` followed by the split."""
+    first. The values and the gradients of x, kernel and the state are those of `dense`, the
+    bias add and the split, bit for bit; the bias gradient is the float32 sum of the parts'
+    gradients (autodiff's transpose of the bias add sums them in y's dtype, bf16: it differs
+    from this by that rounding)."""
     return _parts_forward(x, kernel, bias, state, recipe, parts, source)[0]
 
 
@@ -191,8 +194,10 @@ def _parts_backward(recipe, parts, saved, gs):
     def quantize(scale):
         return quantize_parts.quantize_parts(gs, scale, fmt.backward_dtype)
 
-    (gq, gqT, ag, sums), sg = _scaled(quantize, lambda: jnp.max(jnp.stack([scaling.amax(g) for g in gs])),
-                                      state, "grad", fmt.max_bwd, recipe)
+    def amax_of():  # one reduction over the devices for all the parts
+        return scaling.reduce_amax(jnp.max(jnp.stack([scaling.local_amax(g) for g in gs])), gs)
+
+    (gq, gqT, ag, sums), sg = _scaled(quantize, amax_of, state, "grad", fmt.max_bwd, recipe)
     dx, dw, new = _gradients(recipe, residuals, gq, gqT, sg, ag, gs[0].dtype)
     dbias = None if b_like is None else summed_like(sums.astype(b_like.dtype), b_like)
     return dx, dw, dbias, new, None

@@ -37,9 +37,11 @@ def _check(parts: Sequence[jax.Array]) -> None:
     if not parts:
         raise ValueError("parts must hold at least one array, got none")
     first = parts[0]
+    if first.ndim != 2:
+        raise ValueError(f"parts[0] must be 2-D, got shape {first.shape}")
     for i, p in enumerate(parts):
-        if p.ndim != 2 or p.shape != first.shape or p.dtype != first.dtype:
-            raise ValueError(f"parts[{i}] must be 2-D with parts[0]'s shape and dtype "
+        if p.shape != first.shape or p.dtype != first.dtype:
+            raise ValueError(f"parts[{i}] must have parts[0]'s shape and dtype "
                              f"{first.shape} {first.dtype}, got {p.shape} {p.dtype}")
 
 
@@ -71,7 +73,7 @@ def quantize_parts(parts: Sequence[jax.Array], scale: jax.Array, dtype, *, kerne
     else:
         choose = cuda if kernel else xla
     q, qt, amax, sums = choose(scale, *parts)
-    return q, qt, scaling.reduce_amax(amax, parts[0]), sums
+    return q, qt, scaling.reduce_amax(amax, parts), sums
 
 
 def _kernel(parts, scale, dtype, *, interpret: bool):

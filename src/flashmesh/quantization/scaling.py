@@ -44,7 +44,7 @@ def local_amax(x: jax.Array) -> jax.Array:
 
 def reduce_amax(local: jax.Array, like: jax.Array) -> jax.Array:
     """A tensor's amax on this device (float32 scalar or [1]) -> float32 [1] over every device
-    `like` is split across (see `amax`)."""
+    `like` (an array, or a tuple of the arrays the amax covers) is split across (see `amax`)."""
     local = local.astype(jnp.float32).reshape(())
     axes = varying_axes(like)
     if axes:
