@@ -25,8 +25,8 @@ from flashmesh.quantization import state as qstate
 from flashmesh.quantization.dense import dense as fp8_dense
 from flashmesh.quantization.dense import dense_parts as fp8_dense_parts
 
-__all__ = ["dense_general", "dense_general_parts", "DenseGeneral", "LayerNormDenseGeneral", "default_kernel_init",
-           "constrain", "contracting_axes"]
+__all__ = ["dense_general", "dense_general_parts", "DenseGeneral", "LayerNormDenseGeneral",
+           "default_kernel_init", "constrain", "contracting_axes"]
 
 
 def default_kernel_init() -> Callable:
@@ -145,7 +145,8 @@ class _Projection(nn.Module):
         y[..., i, ...] over the first features axis."""
         features = _features(self.features)
         if self.split_features and len(features) < 2:
-            raise ValueError(f"split_features needs two features axes or more, got features={self.features!r}")
+            raise ValueError(f"split_features needs two features axes or more, "
+                             f"got features={self.features!r}")
         if axes != tuple(range(x.ndim - len(axes), x.ndim)):  # contracted axes go last
             x = jnp.moveaxis(x, axes, tuple(range(x.ndim - len(axes), x.ndim)))
             source = None  # it describes x's original layout
