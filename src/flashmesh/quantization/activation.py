@@ -25,7 +25,6 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from flashmesh.quantization import layouts, scaling
 
@@ -100,15 +99,9 @@ def _blocks(h, bias, n):
 
 def _choose(kernel, h, n, cuda, xla):
     """The kernel (cuda), the XLA form, or the platform's choice between them (kernel=None)."""
-    if kernel is None:
-        if fits(h, n) and layouts.one_device_program():
-            return lambda *args: lax.platform_dependent(*args, cuda=cuda, default=xla)
-        return xla
-    if kernel and not fits(h, n):
-        raise ValueError(f"h of shape {h.shape} and dtype {h.dtype} does not fit the kernel for "
-                         f"{n} block(s): sizes multiples of ({layouts.GEOMETRY.rows}, "
-                         f"{layouts.GEOMETRY.cols}) per block, bf16/f16/f32")
-    return cuda if kernel else xla
+    return layouts.choose(kernel, fits(h, n), cuda, xla, (
+        f"h of shape {h.shape} and dtype {h.dtype} does not fit the kernel for {n} block(s): sizes "
+        f"multiples of ({layouts.GEOMETRY.rows}, {layouts.GEOMETRY.cols}) per block, bf16/f16/f32"))
 
 
 def act_quantize_both(h: jax.Array, bias: jax.Array | None, acts: Sequence[Callable], scale: jax.Array,
@@ -120,9 +113,7 @@ def act_quantize_both(h: jax.Array, bias: jax.Array | None, acts: Sequence[Calla
     interpret = kernel is True and jax.default_backend() != "gpu"
 
     def xla(h, bias, scale):
-        a = _activate(acts, _blocks(h, bias, n))
-        q = scaling.quantize(a, scale, dtype)
-        return q, layouts.byte_transpose(q), scaling.local_amax(a)
+        return layouts.xla_form(_activate(acts, _blocks(h, bias, n)), scale, dtype)
 
     def cuda(h, bias, scale):
         return _forward_kernel(h, bias, scale, acts, dtype, interpret=interpret)
@@ -144,9 +135,7 @@ def dact_quantize_both(g: jax.Array, h: jax.Array, bias: jax.Array | None, acts:
         vs = _blocks(h, bias, n)
         _, pullback = jax.vjp(lambda *vs: _activate(acts, vs), *vs)
         dh = jnp.concatenate(pullback(g.astype(jnp.float32)), axis=1)
-        q = scaling.quantize(dh, scale, dtype)
-        dbias = None if bias is None else jnp.sum(dh, axis=0)
-        return q, layouts.byte_transpose(q), scaling.local_amax(dh), dbias
+        return (*layouts.xla_form(dh, scale, dtype), None if bias is None else jnp.sum(dh, axis=0))
 
     def cuda(g, h, bias, scale):
         return _backward_kernel(g, h, bias, scale, acts, dtype, interpret=interpret)

@@ -32,8 +32,8 @@ from jax import lax
 
 from flashmesh.quantization import scaling
 
-__all__ = ["GEOMETRY", "Geometry", "byte_transpose", "kernel_fits", "one_device_program", "quantize_both", "write_tile", "xla_form",
-           "typed_sharding"]
+__all__ = ["GEOMETRY", "Geometry", "byte_transpose", "kernel_fits", "one_device_program", "quantize_both", "write_tile",
+           "xla_form", "choose", "typed_sharding"]
 
 class Geometry(NamedTuple):
     """The quantise kernels' programs (this module's and `activation`'s): rows x cols of the
@@ -112,22 +112,11 @@ def quantize_both(x: jax.Array, scale: jax.Array, dtype, *, kernel: bool | None 
     kernel on a lone CUDA device where x fits it (see the module docstring)."""
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D, got shape {x.shape}")
-    if kernel is None:
-        if kernel_fits(x) and one_device_program():
-            local = lax.platform_dependent(
-                x, scale, cuda=lambda x, s: _kernel(x, s, dtype, interpret=False),
-                default=lambda x, s: xla_form(x, s, dtype))
-        else:
-            local = xla_form(x, scale, dtype)
-    elif kernel:
-        if not kernel_fits(x):
-            raise ValueError(f"x of shape {x.shape} and dtype {x.dtype} does not fit the kernel: sizes "
-                             f"multiples of ({GEOMETRY.rows}, {GEOMETRY.cols}), bf16/f16/f32, not "
-                             f"sharded in its type")
-        local = _kernel(x, scale, dtype, interpret=jax.default_backend() != "gpu")
-    else:
-        local = xla_form(x, scale, dtype)
-    q, qt, amax = local
+    interpret = kernel is True and jax.default_backend() != "gpu"
+    q, qt, amax = choose(kernel, kernel_fits(x), lambda x, s: _kernel(x, s, dtype, interpret=interpret),
+                         lambda x, s: xla_form(x, s, dtype), (
+        f"x of shape {x.shape} and dtype {x.dtype} does not fit the kernel: sizes multiples of "
+        f"({GEOMETRY.rows}, {GEOMETRY.cols}), bf16/f16/f32, not sharded in its type"))(x, scale)
     return q, qt, scaling.reduce_amax(amax, x)
 
 
@@ -145,6 +134,19 @@ def kernel_fits(x) -> bool:
     return (x.ndim == 2 and x.shape[0] % GEOMETRY.rows == 0 and x.shape[1] % GEOMETRY.cols == 0
             and x.shape[0] > 0
             and not typed_sharding(x) and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+def choose(kernel: bool | None, fits: bool, cuda, xla, refusal: str):
+    """The quantise kernels' rule for `kernel=`: True the kernel (cuda; a ValueError `refusal`
+    where the inputs do not fit it), False the XLA form, None the platform's choice between them
+    at lowering where the inputs fit and the program runs on one device (else the XLA form)."""
+    if kernel is None:
+        if fits and one_device_program():
+            return lambda *args: lax.platform_dependent(*args, cuda=cuda, default=xla)
+        return xla
+    if kernel and not fits:
+        raise ValueError(refusal)
+    return cuda if kernel else xla
 
 
 def xla_form(x, scale, dtype):

@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from flashmesh.quantization import layouts, scaling
 
@@ -67,15 +66,9 @@ def quantize_both(n: Normalization, y: jax.Array, scale: jax.Array, dtype, *, ke
     def cuda(n, y, scale):
         return _kernel(n, scale, dtype, interpret=interpret)
 
-    if kernel is None:
-        choose = (lambda *args: lax.platform_dependent(*args, cuda=cuda, default=xla)) if (
-            layouts.kernel_fits(n.x) and layouts.one_device_program()) else xla
-    elif kernel and not layouts.kernel_fits(n.x):
-        raise ValueError(f"x of shape {n.x.shape} and dtype {n.x.dtype} does not fit the kernel: sizes "
-                         f"multiples of ({layouts.GEOMETRY.rows}, {layouts.GEOMETRY.cols}), bf16/f16/f32")
-    else:
-        choose = cuda if kernel else xla
-    q, qt, amax = choose(n, y, scale)
+    q, qt, amax = layouts.choose(kernel, layouts.kernel_fits(n.x), cuda, xla, (
+        f"x of shape {n.x.shape} and dtype {n.x.dtype} does not fit the kernel: sizes multiples of "
+        f"({layouts.GEOMETRY.rows}, {layouts.GEOMETRY.cols}), bf16/f16/f32"))(n, y, scale)
     return q, qt, scaling.reduce_amax(amax, n.x)
 
 

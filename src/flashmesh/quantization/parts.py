@@ -63,16 +63,10 @@ def quantize_parts(parts: Sequence[jax.Array], scale: jax.Array, dtype, *, kerne
     def cuda(scale, *parts):
         return _kernel(parts, scale, dtype, interpret=interpret)
 
-    if kernel is None:
-        choose = (lambda *args: lax.platform_dependent(*args, cuda=cuda, default=xla)) if (
-            parts_fit(parts) and layouts.one_device_program()) else xla
-    elif kernel and not parts_fit(parts):
-        raise ValueError(f"parts of shape {parts[0].shape} and dtype {parts[0].dtype} do not fit the "
-                         f"kernel: sizes multiples of ({layouts.GEOMETRY.rows}, {layouts.GEOMETRY.cols}), "
-                         f"bf16/f16/f32, not sharded in their type")
-    else:
-        choose = cuda if kernel else xla
-    q, qt, amax, sums = choose(scale, *parts)
+    q, qt, amax, sums = layouts.choose(kernel, parts_fit(parts), cuda, xla, (
+        f"parts of shape {parts[0].shape} and dtype {parts[0].dtype} do not fit the kernel: sizes "
+        f"multiples of ({layouts.GEOMETRY.rows}, {layouts.GEOMETRY.cols}), bf16/f16/f32, not sharded "
+        f"in their type"))(scale, *parts)
     return q, qt, scaling.reduce_amax(amax, parts), sums
 
 
