@@ -120,7 +120,7 @@ CASES = [  # race detection (about 2x slower in the interpreter) on the cases ma
     Case("tma_tails_fused_columns_d128_learnable", T=200, S=136, N=2, K=1, Dqk=128, Dv=64,
          softmax="learnable", blocks=BBS(num_stages=2, fused_dq=True, dq_columns=True,
                                          tma_tails=True)),
-    # fold_stats: Sᵀ's and dPᵀ's accumulators start from -lse / c and -delta; bottom-right
+    # fold_stats: Sᵀ's and dPᵀ's accumulators start from -lse / scale and -delta; bottom-right
     # causal with T > S (rows that see no key: EMPTY_ROW_LSE folded in, masked away), tails,
     # the fused form by columns
     Case("fold_stats_fused_columns_d128_empty_rows_tails", T=200, S=136, N=2, K=1, Dqk=128,

@@ -146,7 +146,8 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                bs: BackwardBlockSizes, interpret: bool):
     # q_ref / dq_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref [B, Sp, K, Dqk] (T, S in
     # place),
-    # v_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
+    # v_ref [B, Sp, K, Dv], lse_ref (natural log, times log2 e once loaded),
+    # delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # q_smem [W, rows, Dqk] (then dQ's epilogue, unless dq_smem), do_smem [W, rows, Dv], lse_smem,
     # delta_smem [W, rows] f32, k_smem [stages, bkv, Dqk], v_smem [stages, bkv, Dv],
@@ -303,7 +304,7 @@ def _kernel_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
             for barrier in (q_ready, do_ready, lse_ready, delta_ready) + tuple(qtok_ready):
                 plgpu.barrier_wait(barrier.at[wg])
             q_tokens = [plgpu.load(buf.at[wg], layout=ROW) for buf in qtok_smem] + [None]
-            lse = plgpu.load(lse_smem.at[wg], layout=ROW)
+            lse = plgpu.load(lse_smem.at[wg], layout=ROW) * LOG2E
             if o_smem is None:
                 delta = plgpu.load(delta_smem.at[wg], layout=ROW)
             else:  # delta = rowsum(O o dO) in float32 (the r-free form's (1 - r) under dropout),
@@ -436,7 +437,7 @@ def _interpret_params(interpret):
     return dataclasses.replace(interpret, inline_mgpu="_hack_model_inline_mgpu_tokamax")
 
 
-def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret):
+def _dkv(q, k, v, do, lse, delta, row_hash, bias_t, tables, spec, bs, interpret):
     W, stages, bq, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_q, jnp.dtype(spec.dtype)
     rows, dropout = bs.block_kv // W, row_hash is not None
     Tp, Sp = padded_lengths(spec, bs)
@@ -469,7 +470,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
     if bs.fused_dq:  # float32, zeroed, updated in place (a jax.Ref the kernel adds into)
         slices = (nkv * W,) if interpret else ()
         dq_acc = jax.new_ref(jnp.zeros(slices + q.shape[:3] + (spec.qk_dim,), jnp.float32))
-    inputs = (q, k, v, do, lse2, delta, row_hash, bias_t, dq_acc, tok)
+    inputs = (q, k, v, do, lse, delta, row_hash, bias_t, dq_acc, tok)
     dk_type, dv_type = jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)
     if not bs.split_dkv:
         kernel = functools.partial(kernel_dkv, spec=spec, bs=bs, interpret=interpret)
@@ -492,7 +493,7 @@ def _dkv(q, k, v, do, lse2, delta, row_hash, bias_t, tables, spec, bs, interpret
     return (*outs, None)
 
 
-def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret, out=None):
+def _dq(q, k, v, do, lse, delta, row_hash, bias, tables, spec, bs, interpret, out=None):
     """(dq, dbias or None, delta or None): with `out` (O, padded; delta None) the kernel
     computes delta itself and returns it (delta_in_dq)."""
     W, stages, bkv, dtype = bs.num_compute_wgs, bs.num_stages, bs.block_kv_dq, jnp.dtype(spec.dtype)
@@ -526,7 +527,7 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret, o
     if bias is not None:  # dS of every visited tile, per batch row and head
         out_type += (jax.ShapeDtypeStruct((spec.batch, spec.num_heads) + bias.shape[2:], dtype),)
     if out is not None:  # delta, for the dK/dV kernel
-        out_type += (jax.ShapeDtypeStruct(lse2.shape, jnp.float32),)
+        out_type += (jax.ShapeDtypeStruct(lse.shape, jnp.float32),)
 
     def kernel(*refs):  # (inputs..., dq[, dbias][, delta], smem, barriers)
         *head, smem_refs, barrier_refs = refs
@@ -541,7 +542,7 @@ def _dq(q, k, v, do, lse2, delta, row_hash, bias, tables, spec, bs, interpret, o
         from flashmesh.attention.pallas_mosaic_gpu_sm90 import sm_count
 
         grid, grid_names = (min(sm_count(interpret), int(np.prod(grid))),), ("sm",)
-    outs = _launch(kernel, (q, k, v, do, lse2, delta if out is None else out, row_hash, bias, tok),
+    outs = _launch(kernel, (q, k, v, do, lse, delta if out is None else out, row_hash, bias, tok),
                    out_type, smem, barriers, grid, grid_names, bs, interpret)
     return (outs[0], outs[1] if bias is not None else None, outs[-1] if out is not None else None)
 
@@ -597,7 +598,7 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
     q_mult, kv_mult = tile_multiples(bs)
     qp, dop = pad_tail(q, q_mult, bs.tma_tails), pad_tail(do.astype(q.dtype), q_mult, bs.tma_tails)
     kp, vp = pad_tail(k, kv_mult, bs.tma_tails), pad_tail(v, kv_mult, bs.tma_tails)
-    lse2 = pad_to(lse * jnp.float32(LOG2E), 2, q_mult)
+    lse_p = pad_to(lse, 2, q_mult)  # natural log: the kernels scale it by log2 e as they load it
     delta = None if delta is None else pad_to(delta, 2, q_mult)
     if dropout_hash is not None:  # padded rows have dO = 0: their hash does not matter
         dropout_hash = pad_to(dropout_hash, 2, q_mult)
@@ -607,15 +608,15 @@ def backward_spec(q, k, v, out, lse, do, spec: AttentionSpec, *, sink=None, d_ls
         bias_t = bias_p.swapaxes(2, 3)
     if in_dq:  # the dQ kernel first: it writes the delta the dK/dV kernel reads
         outp = pad_tail(out.astype(q.dtype), q_mult, bs.tma_tails)
-        dq, dbias, delta = _dq(qp, kp, vp, dop, lse2, None, dropout_hash, bias_p, tables, spec, bs,
+        dq, dbias, delta = _dq(qp, kp, vp, dop, lse_p, None, dropout_hash, bias_p, tables, spec, bs,
                                interpret, out=outp)
-    dk, dv, dq_fused = _dkv(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_t, tables, spec, bs,
+    dk, dv, dq_fused = _dkv(qp, kp, vp, dop, lse_p, delta, dropout_hash, bias_t, tables, spec, bs,
                             interpret)
     if dq_fused is not None:  # fused: dS K summed over the key tiles; the scale and dropout's
         dq_scale = spec.scale / masks.keep_probability(spec.dropout_rate)
         dq, dbias = (dq_fused * dq_scale).astype(q.dtype), None
     elif not in_dq:
-        dq, dbias, _ = _dq(qp, kp, vp, dop, lse2, delta, dropout_hash, bias_p, tables, spec, bs,
+        dq, dbias, _ = _dq(qp, kp, vp, dop, lse_p, delta, dropout_hash, bias_p, tables, spec, bs,
                            interpret)
     dsink = None
     if spec.softmax == "learnable":

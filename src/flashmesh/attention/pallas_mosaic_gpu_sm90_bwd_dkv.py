@@ -37,7 +37,8 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                 dk_ref, dv_ref, smem, barriers, *, spec: AttentionSpec, bs: BackwardBlockSizes,
                 interpret: bool, part: str = "both"):
     # q_ref [B, Tp, N, Dqk], do_ref [B, Tp, N, Dv], k_ref / dk_ref [B, Sp, K, Dqk] (T, S in place),
-    # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (times log2 e), delta_ref [B, N, Tp] f32,
+    # v_ref / dv_ref [B, Sp, K, Dv], lse_ref (natural log, times log2 e once loaded),
+    # delta_ref [B, N, Tp] f32,
     # hash_ref [B, N, Tp] uint32 (dropout's row hash) or None (GMEM)
     # k_smem [W, rows, Dqk], v_smem [W, rows, Dv] (this CTA's keys; then dK, dV's epilogue),
     # q_smem [stages, bq, Dqk], do_smem [stages, bq, Dv], lse_smem, delta_smem [stages, bq] f32,
@@ -123,9 +124,9 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
         accumulate = mma_from_smem if interpret else mma_from_registers
         staging = None if pt_smem is None else (pt_smem.at[wg], dst_smem.at[wg])
         kv_tail = spec.kv_len % bs.block_kv != 0
-        # fold_stats: Sᵀ's accumulator starts at -lse / c, dPᵀ's at -delta (c = scale log2 e);
+        # fold_stats: Sᵀ's accumulator starts at -lse / scale (natural lse), dPᵀ's at -delta;
         # not with a bias, whose finite masks can make |lse| large beside s (the accumulator's
-        # float32 rounding of s - lse / c would then carry |lse| 2^-24 into P)
+        # float32 rounding of s - lse / scale would then carry |lse| 2^-24 into P)
         fold = (bs.fold_stats and part == "both" and not dropout and spec.scale != 0
                 and spec.logits_soft_cap is None and bias_ref is None)
 
@@ -148,10 +149,10 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                     key = wgmma_iota((rows, bq), 0) + key0
                     q_pos = wgmma_iota((rows, bq), 1) + (q_tile * bq + spec.diagonal_offset)
                     st2 = band_mask(st2, q_pos, key, spec, kv_tail)
-                if fold:  # the accumulator started at -lse / c
+                if fold:  # the accumulator started at -lse / scale
                     pt = jnp.exp2(st2)
                 else:
-                    lse = plgpu.load(lse_smem.at[slot], layout=COL)
+                    lse = plgpu.load(lse_smem.at[slot], layout=COL) * LOG2E
                     pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                 if not dropout:  # the P of dV: the kept elements (1 / (1 - r) at the end)
                     return pt, pt, dcap
@@ -172,7 +173,7 @@ def kernel_dkv(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, hash_ref, bias_r
                                                bs.overlap)
                 inits = [lax.broadcast_in_dim(plgpu.load(buf.at[slot], layout=COL) * factor,
                                               (rows, bq), [1])
-                         for buf, factor in ((lse_smem, -1.0 / (spec.scale * LOG2E)),
+                         for buf, factor in ((lse_smem, -1.0 / spec.scale),
                                              (delta_smem, -1.0))]
                 inits = [plgpu.layout_cast(x, plgpu.Layout.WGMMA) for x in inits]
                 pt, dpt = products_from(*operands, *inits, lambda st: probabilities(st)[0],
