@@ -102,10 +102,10 @@ swizzle their rows allow, `swizzle_for`). Not implemented (NotImplementedError):
 dims, dropout with global key numbers (kv_index). The backward pass is in
 pallas_mosaic_gpu_sm90_bwd. Tails (lengths not multiples of the tiles) are read in place where
 the length is a multiple of 8 (`BlockSizes.tma_tails`, the default: TMA's zero fill and
-clipped stores), else padded copies. Not yet done for speed: per-warpgroup
-ranges, named barriers for the K/V "consumed" handshakes (every thread of a warpgroup arrives
-on an mbarrier today; benchmarks/notes/2026-12-07-forward-vs-fa3.md), the lazy (thresholded) O
-rescale, a dynamic (LPT) persistent scheduler for causal calls.
+clipped stores), else padded copies. Opt-in, passed on the H200 but not yet timed:
+`named_release` (named barriers for the K/V "consumed" handshakes, a one-warp producer;
+benchmarks/notes/2026-12-07-forward-vs-fa3.md). Not yet done for speed: per-warpgroup ranges,
+the lazy (thresholded) O rescale, a dynamic (LPT) persistent scheduler for causal calls.
 
 Argument checks, the spec of a band-mask call and the dropout row hashes are in
 pallas_mosaic_gpu_inputs; the K/V ring, band mask, dropout round and the P·V forms shared with
