@@ -57,6 +57,17 @@ def test_layernorm_keeps_input_dtype_and_zero_centred_init():
         layernorm(x, jnp.ones(32), None, layernorm_type="batchnorm")
 
 
+@pytest.mark.parametrize("spelling,canonical", [("RMSNorm", "rmsnorm"), ("rms_norm", "rmsnorm"),
+                                                ("LayerNorm", "layernorm"), ("layer-norm", "layernorm")])
+def test_layernorm_type_read_as_te_reads_it(spelling, canonical):
+    # TE's canonicalize_norm_type ignores case, '-' and '_': its spellings give the same layer
+    x = _x()
+    ours, theirs = (LayerNorm(layernorm_type=t) for t in (spelling, canonical))
+    variables = theirs.init(jax.random.key(0), x)
+    assert jax.tree.structure(ours.init(jax.random.key(0), x)) == jax.tree.structure(variables)
+    np.testing.assert_array_equal(ours.apply(variables, x), theirs.apply(variables, x))
+
+
 @pytest.mark.parametrize("features,axis", [(24, -1), ((4, 6), -1), (16, (-2, -1))])
 def test_dense_general_equals_flax(features, axis):
     x = _x((2, 8, 4, 8))

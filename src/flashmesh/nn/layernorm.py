@@ -29,9 +29,14 @@ LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
 
 def check_layernorm_type(layernorm_type: str) -> str:
-    if layernorm_type not in LAYERNORM_TYPES:
-        raise ValueError(f"layernorm_type must be one of {LAYERNORM_TYPES}, got {layernorm_type!r}")
-    return layernorm_type
+    """The canonical name of a normalisation type, as TE's `canonicalize_norm_type` reads it:
+    case, '-' and '_' ignored ("RMSNorm", "rms_norm" -> "rmsnorm"); ValueError otherwise."""
+    canonical = (layernorm_type.lower().replace("-", "").replace("_", "")
+                 if isinstance(layernorm_type, str) else layernorm_type)
+    if canonical not in LAYERNORM_TYPES:
+        raise ValueError(f"layernorm_type must be one of {LAYERNORM_TYPES} (case, '-' and '_' "
+                         f"ignored), got {layernorm_type!r}")
+    return canonical
 
 
 def layernorm(x: Float[Array, "... H"], scale: Float[Array, "H"], bias: Float[Array, "H"] | None, *,
@@ -50,7 +55,7 @@ def layernorm(x: Float[Array, "... H"], scale: Float[Array, "H"], bias: Float[Ar
     Example:
       >>> y = layernorm(x, jnp.ones(64), jnp.zeros(64), epsilon=1e-5)
     """
-    check_layernorm_type(layernorm_type)
+    layernorm_type = check_layernorm_type(layernorm_type)
     gamma = scale.astype(jnp.float32)
     if zero_centered_gamma:
         gamma = gamma + 1.0
@@ -67,7 +72,7 @@ def layernorm_params(module: nn.Module, features: int, *, layernorm_type: str,
                      bias_init: Callable, bias_axes, dtype, scale_name: str = "scale",
                      bias_name: str = "ln_bias"):
     """Declare (scale, bias or None) on `module` under TE's names and logical axes."""
-    check_layernorm_type(layernorm_type)
+    layernorm_type = check_layernorm_type(layernorm_type)
     if scale_init is None:
         scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
     scale = partitioning.param_with_axes(scale_name, scale_init, (features,), dtype,
