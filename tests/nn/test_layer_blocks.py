@@ -22,8 +22,9 @@ def _add(y, bias):
 
 
 def _randomise(params, seed=7):
-    """Random values for every parameter (initial ones, ones and zeros, would hide bugs)."""
-    leaves, tree = jax.tree.flatten(params)
+    """Random values for every parameter (initial ones, ones and zeros, would hide bugs),
+    unboxed (init returns them boxed with their logical axes)."""
+    leaves, tree = jax.tree.flatten(nn.unbox(params))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return jax.tree.unflatten(tree, [jax.random.normal(k, p.shape, p.dtype) * 0.5 + (1.0 if p.ndim == 1 else 0.0)
                                      for k, p in zip(keys, leaves)])
@@ -49,7 +50,7 @@ def test_layernorm_equals_flax(kind, zero_centered):
 def test_layernorm_keeps_input_dtype_and_zero_centred_init():
     x = _x(dtype=jnp.bfloat16)
     module = LayerNorm(zero_centered_gamma=True)
-    variables = module.init(jax.random.key(0), x)
+    variables = nn.unbox(module.init(jax.random.key(0), x))
     assert float(jnp.abs(variables["params"]["scale"]).max()) == 0.0
     assert variables["params"]["scale"].dtype == jnp.float32
     assert module.apply(variables, x).dtype == jnp.bfloat16
@@ -106,7 +107,7 @@ def test_lora_of_a_fused_projection_has_one_adapter_per_block_as_in_te():
 def test_bf16_input_computes_in_bf16_from_f32_params():
     x = _x(dtype=jnp.bfloat16)
     module = DenseGeneral(features=16)
-    variables = module.init(jax.random.key(0), x)
+    variables = nn.unbox(module.init(jax.random.key(0), x))
     assert variables["params"]["kernel"].dtype == jnp.float32
     y = module.apply(variables, x)
     assert y.dtype == jnp.bfloat16
@@ -170,7 +171,7 @@ def test_layernorm_mlp_lora_equals_composition():
     expected = (_add(a @ params["wo_kernel"], params["wo_bias"])
                 + 2.0 * (a @ params["wo_lora_a_kernel"] @ params["wo_lora_b_kernel"]))
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5 * float(jnp.abs(expected).max()))
-    zero_b = module.init(jax.random.key(0), x, deterministic=True)  # B at zero: no change
+    zero_b = nn.unbox(module.init(jax.random.key(0), x, deterministic=True))  # B at zero: no change
     plain = LayerNormMLP(intermediate_dim=48, activations=("silu", "linear"), use_bias=True)
     kept = {k: v for k, v in zero_b["params"].items() if "lora" not in k}
     np.testing.assert_allclose(module.apply(zero_b, x, deterministic=True)[0],
@@ -284,24 +285,25 @@ def test_bias_is_added_to_the_2d_gemm_result(module):
     (LayerNormDenseGeneral(features=8, kernel_axes=("embed", "mlp")), {}),
     (LayerNormMLP(intermediate_dim=16), {"deterministic": True})])
 def test_every_parameter_has_logical_axes(module, call):
+    """Each parameter comes boxed with its logical axes (TE's nn.with_logical_partitioning)."""
     x = _x()
     variables = module.init(jax.random.key(0), x, **call)
-    axes = variables["params_axes"]
+    assert set(variables) == {"params"}
     for name, value in variables["params"].items():
-        names = axes[f"{name}_axes"].names
-        assert len(names) in (0, value.ndim), (name, names)
+        assert isinstance(value, nn.LogicallyPartitioned), name
+        assert len(value.names) in (0, value.value.ndim), (name, value.names)
+    specs = nn.get_partition_spec(variables)["params"]
     if isinstance(module, LayerNormMLP):
-        assert axes["wi_kernel_axes"].names == ("embed", "act", "mlp")
-        assert axes["wo_kernel_axes"].names == ("mlp", "embed")
+        assert specs["wi_kernel"] == jax.sharding.PartitionSpec("embed", "act", "mlp")
+        assert specs["wo_kernel"] == jax.sharding.PartitionSpec("mlp", "embed")
 
 
 def test_logical_axes_shard_on_a_mesh():
     """flax partitioning maps the axis names to a tensor-parallel mesh's spec."""
-    from flax.linen import partitioning
     module = LayerNormMLP(intermediate_dim=16)
     variables = module.init(jax.random.key(0), _x(), deterministic=True)
     rules = (("embed", None), ("act", None), ("mlp", "tp"))
-    specs = partitioning.get_axis_names(variables["params_axes"])
+    specs = nn.get_partition_spec(variables)["params"]
     mesh_axes = jax.tree.map(lambda names: nn.logical_to_mesh_axes(names, rules), specs,
                              is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))
     assert tuple(mesh_axes["wi_kernel"]) == (None, None, "tp")
@@ -314,7 +316,7 @@ def test_kernel_inits_follow_te():
     block by block ([H, F] each, keys split in turn, stacked on axis -2)."""
     E, F = 256, 512
     x = jnp.ones((2, E))
-    kernel = DenseGeneral(features=(3, F)).init(jax.random.key(0), x)["params"]["kernel"]
+    kernel = nn.unbox(DenseGeneral(features=(3, F)).init(jax.random.key(0), x))["params"]["kernel"]
     want = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")(
         jax.random.key(0), (E, 3, F))
     assert kernel.shape == (E, 3, F)
@@ -323,7 +325,7 @@ def test_kernel_inits_follow_te():
 
     init = nn.initializers.lecun_normal()
     mlp = LayerNormMLP(intermediate_dim=F, activations=("silu", "linear"), kernel_init=init)
-    wi = mlp.init(jax.random.key(1), jnp.ones((2, 4, E)), deterministic=True)["params"]["wi_kernel"]
+    wi = nn.unbox(mlp.init(jax.random.key(1), jnp.ones((2, 4, E)), deterministic=True))["params"]["wi_kernel"]
     assert wi.shape == (E, 2, F)
     # The module's init key reaches wi_kernel's init; each block is one draw of init over [E, F]
     # with the keys TE splits, so the blocks are independent, each with fan-in E.

@@ -97,8 +97,8 @@ def _close(got, want, atol=2e-5):
 def _fns(module, self_attn, **kwargs):
     """Jitted init and apply (one compile each: eager Flax compiles every op on CPU)."""
     pair = (lambda a, b: (a, a)) if self_attn else (lambda a, b: (a, b))
-    init = jax.jit(lambda key, a, b, *rest: module.init(key, *pair(a, b), *rest,
-                                                        deterministic=True, **kwargs))
+    init = jax.jit(lambda key, a, b, *rest: nn.unbox(module.init(key, *pair(a, b), *rest,
+                                                                 deterministic=True, **kwargs)))
     apply = jax.jit(lambda v, a, b, *rest: module.apply(v, *pair(a, b), *rest,
                                                         deterministic=True, **kwargs))
     return init, apply
@@ -108,9 +108,9 @@ def _random_params(module, xq, xkv, *args, seed=0, **kwargs):
     """The module's parameter tree (from tracing init, nothing compiled) with random values:
     kernels ~ N(0, 1/fan_in), LayerNorm scales ~ 1 + N(0, 0.1^2), the rest ~ N(0, 0.1^2)."""
     self_attn = xkv is xq
-    shapes = jax.eval_shape(
+    shapes = nn.unbox(jax.eval_shape(
         lambda k, a, b: module.init(k, a, a if self_attn else b, *args, deterministic=True,
-                                    **kwargs), jax.random.key(0), xq, xkv)
+                                    **kwargs), jax.random.key(0), xq, xkv))
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
@@ -292,20 +292,17 @@ def test_bias_window_sink_and_scales():
 
 
 def _shapes(module, x, **kwargs):
-    """Variables' shapes and axis names without computing anything."""
+    """Variables' shapes and axis names (boxed) without computing anything."""
     return jax.eval_shape(lambda k, a: module.init(k, a, a, deterministic=True, **kwargs),
                           jax.random.key(0), x)
 
 
 def assert_axes_on_every_param(variables):
-    flat = jax.tree_util.tree_flatten_with_path(variables["params"])[0]
+    boxed = lambda v: isinstance(v, nn.LogicallyPartitioned)
+    flat = jax.tree_util.tree_flatten_with_path(variables["params"], is_leaf=boxed)[0]
     for path, leaf in flat:
-        *mods, name = [p.key for p in path]
-        node = variables["params_axes"]
-        for m in mods:
-            node = node[m]
-        names = node[f"{name}_axes"].names
-        assert len(names) == leaf.ndim, (path, names)
+        assert boxed(leaf), path
+        assert len(leaf.names) == leaf.value.ndim, (path, leaf.names)
 
 
 def test_scaled_query_init_and_axes():
@@ -317,12 +314,17 @@ def test_scaled_query_init_and_axes():
     for kw in [dict(use_bias=True), dict(num_gqa_groups=2, use_bias=True),
                dict(fuse_qkv_params=False, use_bias=True), dict(softmax_type="learnable")]:
         assert_axes_on_every_param(_shapes(MultiHeadAttention(head_dim=H, num_attention_heads=N, **kw), x))
-    names = _shapes(MultiHeadAttention(head_dim=H, num_attention_heads=N), x)["params_axes"]
-    assert names["qkv"]["kernel_axes"].names == ("embed", "qkv_dim", "joined_kv")
-    assert names["out"]["kernel_axes"].names == ("joined_kv", "embed")
+    # TE's logical names (transformer_engine/jax/flax/transformer.py's MultiHeadAttention)
+    names = nn.get_partition_spec(_shapes(MultiHeadAttention(head_dim=H, num_attention_heads=N), x))
+    P = jax.sharding.PartitionSpec
+    assert names["params"]["qkv"]["kernel"] == P("nvte_w_fsdp", "nvte_w_joined", "nvte_w_tp")
+    assert names["params"]["qkv"]["scale"] == P("nvte_w_no_shard")
+    assert names["params"]["out"]["kernel"] == P("nvte_w_tp", "nvte_w_fsdp")
     cross = jax.eval_shape(lambda k, a, b: MultiHeadAttention(head_dim=H, num_attention_heads=N).init(
         k, a, b, deterministic=True), jax.random.key(0), x, _x(1, S))
-    assert cross["params_axes"]["kv"]["kernel_axes"].names == ("embed", "kv_dim", "joined_kv")
+    cross = nn.get_partition_spec(cross)["params"]
+    assert cross["kv"]["kernel"] == P("nvte_w_fsdp", "nvte_w_joined", "nvte_w_tp")
+    assert cross["query"]["kernel"] == P("nvte_w_fsdp", "nvte_w_tp")
 
 
 def test_dropout_needs_rng_and_differs():

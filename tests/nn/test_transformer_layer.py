@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from flashmesh.nn.relative import relative_position_buckets
 from flashmesh.nn.transformer import TransformerLayer, TransformerLayerType
@@ -74,7 +75,8 @@ def reference(params, x, enc, self_visible, cross_visible, cfg):
 
 def _random_variables(layer, x, enc, seed=0):
     """Parameters of the layer's tree (traced, not compiled) with random values."""
-    shapes = jax.eval_shape(lambda k: layer.init(k, x, enc, deterministic=True), jax.random.key(0))
+    shapes = nn.unbox(jax.eval_shape(lambda k: layer.init(k, x, enc, deterministic=True),
+                                     jax.random.key(0)))
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
@@ -142,7 +144,7 @@ def test_parameter_tree_and_axes():
     x, enc = _x(0), _x(1, S)
     variables = jax.eval_shape(lambda k: layer.init(k, x, enc, deterministic=True),
                                jax.random.key(0))
-    params = variables["params"]
+    params = nn.unbox(variables)["params"]
     assert set(params) == {"relpos_bias", "self_attention", "encoder_decoder_attention", "mlp",
                            "output_layernorm"}
     assert params["relpos_bias"]["rel_embedding"].shape == (N, 32)
@@ -151,9 +153,13 @@ def test_parameter_tree_and_axes():
     assert "scale" not in params["self_attention"]["qkv"]  # output_layernorm: no input LN
     assert params["encoder_decoder_attention"]["kv"]["kernel"].shape == (E, 2, E)
     assert_axes_on_every_param(variables)
-    axes = variables["params_axes"]
-    assert axes["mlp"]["wi_kernel_axes"].names == ("embed", "act", "mlp")
-    assert axes["relpos_bias"]["rel_embedding_axes"].names == ("heads", "relpos_buckets")
+    axes, P = nn.get_partition_spec(variables)["params"], jax.sharding.PartitionSpec
+    # TE's logical names (transformer_engine/jax/flax/transformer.py's TransformerLayer)
+    assert axes["mlp"]["wi_kernel"] == P("nvte_w_fsdp", "nvte_w_joined", "nvte_w_tp")
+    assert axes["mlp"]["wo_kernel"] == P("nvte_w_tp", "nvte_w_fsdp")
+    assert axes["mlp"]["wi_bias"] == P("nvte_w_joined", "nvte_w_tp")
+    assert axes["output_layernorm"]["scale"] == P("nvte_w_no_shard")
+    assert axes["relpos_bias"]["rel_embedding"] == P("heads", "relpos_buckets")
 
 
 def test_te_defaults():
@@ -217,8 +223,9 @@ def test_decoder_decode_equals_the_full_pass():
     cross_mask, _ = _padding_mask([T, T], [S, 3], T, S)
     variables = _random_variables(layer, x, enc)
     full = _apply(layer, deterministic=True)(variables, x, enc, None, cross_mask)
-    shapes = jax.eval_shape(lambda k: layer.init(k, x, enc, None, cross_mask, deterministic=True,
-                                                 decode=True, max_decode_length=T), jax.random.key(0))
+    shapes = nn.unbox(jax.eval_shape(lambda k: layer.init(
+        k, x, enc, None, cross_mask, deterministic=True, decode=True, max_decode_length=T),
+        jax.random.key(0)))
     cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes["cache"])
     step = jax.jit(lambda v, xt: layer.apply(v, xt, enc, None, cross_mask[:, :, :1],
                                              deterministic=True, decode=True,
@@ -303,7 +310,7 @@ def test_lora_scope_reaches_the_mlp(scope, mlp):
     """TE's scopes: 'all' and 'mlp' give the MLP its four LoRA kernels, 'exclude_mlp' none."""
     x = _x(2)
     layer = _layer(low_rank_adaptation_scope=scope, low_rank_adaptation_dim=4)
-    params = jax.eval_shape(lambda k: layer.init(k, x), jax.random.key(0))["params"]["mlp"]
+    params = nn.unbox(jax.eval_shape(lambda k: layer.init(k, x), jax.random.key(0)))["params"]["mlp"]
     names = {"wi_lora_a_kernel", "wi_lora_b_kernel", "wo_lora_a_kernel", "wo_lora_b_kernel"}
     assert (names <= set(params)) if mlp else not (names & set(params))
     if mlp:

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 import flashmesh.te as te
 from flashmesh.nn import LayerNormMLP
@@ -214,14 +215,15 @@ def test_fp8_mlp_refuses_current_scaling():
 def _steps(module, x, dy, fused: bool, monkeypatch, steps=2):
     monkeypatch.setattr(nn_mlp.LayerNormMLP, "_fused", lambda self, *a: fused and _FUSED(self, *a))
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(1), x, deterministic=True)
+        variables = nn.unbox(module.init(jax.random.key(1), x, deterministic=True))
 
         def loss(v, x):
-            return jnp.sum(module.apply(v, x, deterministic=True)[0].astype(jnp.float32) * dy)
+            y = module.apply(v, x, deterministic=True)[0].astype(jnp.float32)
+            return jnp.sum(y * dy), y
 
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         for _ in range(steps):
-            out, (grads, dx) = step(variables, x)
+            (_, out), (grads, dx) = step(variables, x)
             variables = update_fp8_metas(variables, grads)
     return out, grads, dx, variables
 
@@ -238,7 +240,8 @@ def test_layernorm_mlp_fused_equals_unfused(activations, monkeypatch):
     module = LayerNormMLP(intermediate_dim=128, activations=activations, use_bias=True, dtype=jnp.float32)
     a = _steps(module, x, dy, True, monkeypatch)
     b = _steps(module, x, dy, False, monkeypatch)
-    np.testing.assert_allclose(a[0], b[0], rtol=0.05)
+    # the last step's output (its loss, a sum of y dy, cancels too much for a relative check)
+    assert float(jnp.linalg.norm(a[0] - b[0]) / jnp.linalg.norm(b[0])) < 0.05
     flat_a, flat_b = jax.tree.leaves_with_path(a[1]["params"]), jax.tree.leaves(b[1]["params"])
     for (path, ga), gb in zip(flat_a, flat_b):
         err = float(jnp.linalg.norm(ga - gb) / jnp.maximum(jnp.linalg.norm(gb), 1e-6))

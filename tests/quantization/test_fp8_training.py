@@ -16,6 +16,11 @@ from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling, 
 R = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
 
 
+def _init(module, *args, **kwargs):
+    """module.init's variables, the parameters unboxed (init boxes them with logical axes)."""
+    return nn.unbox(module.init(*args, **kwargs))
+
+
 def _x(shape=(4, 16, 64), seed=0):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
@@ -44,7 +49,7 @@ def _train_steps(module, variables, x, dy, steps, recipe=R, call=None):
 def test_fp8_dense_within_fp8_tolerance_of_float32_after_the_scales_settle():
     x, module = _x(), DenseGeneral(features=48)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(1), x)
+        variables = _init(module, jax.random.key(1), x)
     dy = _x((4, 16, 48), seed=2)
     variables, y, (g_vars, g_x) = _train_steps(module, variables, x, dy, steps=3)
 
@@ -63,7 +68,7 @@ def test_fp8_dense_within_fp8_tolerance_of_float32_after_the_scales_settle():
 def test_the_state_update_is_the_cotangent_with_te_values():
     x, module = _x(), DenseGeneral(features=8, use_bias=False)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(1), x)
+        variables = _init(module, jax.random.key(1), x)
     metas = variables["fp8_metas"]
     assert sorted(metas) == sorted(f"{q}_{k}" for q in ("x", "kernel", "grad")
                                    for k in ("scale", "amax_history"))
@@ -81,7 +86,7 @@ def test_the_state_update_is_the_cotangent_with_te_values():
 def test_current_scaling_needs_no_state():
     x, module = _x(), LayerNormMLP(intermediate_dim=32)
     with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
-        variables = module.init(jax.random.key(1), x, deterministic=True)
+        variables = _init(module, jax.random.key(1), x, deterministic=True)
     assert "fp8_metas" not in variables
     dy = _x(seed=5)
     _, y, _ = _train_steps(module, variables, x, dy, 1, recipe=Float8CurrentScaling(),
@@ -92,7 +97,7 @@ def test_current_scaling_needs_no_state():
 
 def test_init_outside_autocast_then_fp8_apply_is_a_clear_error():
     x, module = _x(), LayerNormDenseGeneral(features=8)
-    variables = module.init(jax.random.key(0), x)
+    variables = _init(module, jax.random.key(0), x)
     with pytest.raises(ValueError, match="init inside flashmesh.te.autocast"):
         with te.autocast(enabled=True, recipe=R):
             module.apply(variables, x)
@@ -101,7 +106,7 @@ def test_init_outside_autocast_then_fp8_apply_is_a_clear_error():
 def test_history_length_must_match_the_recipe():
     x, module = _x(), DenseGeneral(features=8)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), x)
+        variables = _init(module, jax.random.key(0), x)
     with pytest.raises(ValueError, match="amax_history_len"):
         with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=8)):
             module.apply(variables, x)
@@ -110,7 +115,7 @@ def test_history_length_must_match_the_recipe():
 def test_unused_state_is_kept_not_wiped():
     x, module = _x(), DenseGeneral(features=8)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), x)
+        variables = _init(module, jax.random.key(0), x)
     variables = dict(variables, fp8_metas=jax.tree.map(lambda v: v + 2.0, variables["fp8_metas"]))
     grads = jax.grad(lambda v: jnp.sum(module.apply(v, x)))(variables)  # outside autocast
     jax.tree.map(np.testing.assert_array_equal, update_fp8_metas(variables, grads)["fp8_metas"],
@@ -130,7 +135,7 @@ def test_a_module_used_twice_in_one_apply_combines_by_max_without_help():
     small, large = _x((2, 4, 16), seed=1), 10.0 * _x((2, 4, 16), seed=2)
     module = _Twice()
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), (small, large))
+        variables = _init(module, jax.random.key(0), (small, large))
         grads = jax.jit(jax.grad(lambda v: module.apply(v, (small, large))))(variables)
     m = update_fp8_metas(variables, grads)["fp8_metas"]["shared"]
     amax = float(jnp.abs(large).max())
@@ -147,7 +152,7 @@ def test_a_use_whose_amax_keeps_the_scale_does_not_decide_the_combination(first)
     odd = jnp.zeros_like(other) if first == "zeros" else other.at[0, 0, 0].set(jnp.inf)
     module = _Twice()
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), (odd, other))
+        variables = _init(module, jax.random.key(0), (odd, other))
         grads = jax.jit(jax.grad(lambda v: module.apply(v, (odd, other))))(variables)
     m = update_fp8_metas(variables, grads)["fp8_metas"]["shared"]
     want = 448.0 / float(jnp.abs(other).max()) if first == "zeros" else 1.0
@@ -162,7 +167,7 @@ def test_a_module_used_twice_combines_under_eager_grad_too():
     small, large = _x((2, 4, 16), seed=1), 10.0 * _x((2, 4, 16), seed=2)
     module = _Twice()
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), (small, large))
+        variables = _init(module, jax.random.key(0), (small, large))
         eager = jax.grad(lambda v: module.apply(v, (small, large)))(variables)
         jitted = jax.jit(jax.grad(lambda v: module.apply(v, (small, large))))(variables)
     for name in ("x_scale", "x_amax_history", "grad_scale", "kernel_amax_history"):
@@ -179,7 +184,7 @@ def test_te_update_collections_writes_every_collection_over_the_original():
     module = DenseGeneral(features=8)
     x = _x((2, 4, 16))
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), x)
+        variables = _init(module, jax.random.key(0), x)
         grads = jax.jit(jax.grad(lambda v: jnp.sum(module.apply(v, x))))(variables)
     others = {"fp8_metas": variables["fp8_metas"], "cache": {"k": jnp.zeros(3)}}
     new = {"fp8_metas": grads["fp8_metas"], "cache": {"k": jnp.ones(3)}}
@@ -207,7 +212,7 @@ def test_one_jitted_function_follows_autocast():
     outside autocast (or under another recipe) is not the other's program."""
     x, module = _x(), DenseGeneral(features=8)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), x)
+        variables = _init(module, jax.random.key(0), x)
     f = jax.jit(lambda v, x: module.apply(v, x))
     with te.autocast(enabled=True, recipe=R):
         y8 = f(variables, x)
@@ -226,7 +231,7 @@ def test_forward_quantises_with_the_stored_scale():
     """A stored scale far too large clips: the forward uses the state, not the current amax."""
     x, module = _x(), DenseGeneral(features=8, use_bias=False)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), x)
+        variables = _init(module, jax.random.key(0), x)
         metas = dict(variables["fp8_metas"], x_scale=jnp.full((1,), 1e4, jnp.float32))
         y = module.apply(dict(variables, fp8_metas=metas), x)
     clipped = jnp.clip(x * 1e4, -448.0, 448.0) / 1e4
@@ -257,7 +262,7 @@ def test_reuse_combines_by_max_not_sum():
     module = DenseGeneral(features=8, use_bias=False)
     small, large = _x((2, 4, 16), seed=1), 10.0 * _x((2, 4, 16), seed=2)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), small)
+        variables = _init(module, jax.random.key(0), small)
 
     def loss(v):
         v = combine_by_max(v)
@@ -275,7 +280,7 @@ def test_scan_over_microbatches_combines_by_max():
     module = DenseGeneral(features=8, use_bias=False)
     xs = _x((3, 2, 4, 16)) * jnp.asarray([1.0, 7.0, 2.0]).reshape(3, 1, 1, 1)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), xs[0])
+        variables = _init(module, jax.random.key(0), xs[0])
 
     def loss(v):
         v = combine_by_max(v)
@@ -296,7 +301,7 @@ def test_accumulate_gradients_takes_the_max_state():
     module = DenseGeneral(features=8, use_bias=False)
     a, b = _x((2, 4, 16), seed=1), 5.0 * _x((2, 4, 16), seed=2)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), a)
+        variables = _init(module, jax.random.key(0), a)
         g = [jax.grad(lambda v, x=x: jnp.sum(module.apply(v, x)))(variables) for x in (a, b)]
     total = accumulate_gradients(accumulate_gradients(None, g[0]), g[1])
     np.testing.assert_allclose(total["params"]["kernel"], g[0]["params"]["kernel"] + g[1]["params"]["kernel"])
@@ -308,7 +313,7 @@ def test_remat_gives_the_same_state_and_grads():
     module = LayerNormMLP(intermediate_dim=32)
     x, dy = _x(), _x(seed=4)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), x, deterministic=True)
+        variables = _init(module, jax.random.key(0), x, deterministic=True)
 
     def loss(v, x, remat):
         f = lambda v, x: module.apply(v, x, deterministic=True)[0]
@@ -328,7 +333,7 @@ def test_sharded_data_parallel_step_equals_one_device(axis_type):
     module = DenseGeneral(features=8)
     x, dy = _x((8, 4, 16)), _x((8, 4, 8), seed=2)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), x)
+        variables = _init(module, jax.random.key(0), x)
     one, _, _ = _train_steps(module, variables, x, dy, 2)
     shard = jax.sharding.NamedSharding(mesh, jax.P("data"))
     two, _, _ = _train_steps(module, variables, jax.device_put(x, shard), jax.device_put(dy, shard), 2)
@@ -387,7 +392,7 @@ def test_checkpoint_round_trip(tmp_path):
     module = LayerNormMLP(intermediate_dim=32)
     x, dy = _x(), _x(seed=4)
     with te.autocast(enabled=True, recipe=R):
-        variables = module.init(jax.random.key(0), x, deterministic=True)
+        variables = _init(module, jax.random.key(0), x, deterministic=True)
     variables, _, _ = _train_steps(module, variables, x, dy, 2, call={"deterministic": True})
     state = {"params": variables["params"], "fp8_metas": variables["fp8_metas"]}
     with ocp.StandardCheckpointer() as ckpt:
@@ -450,7 +455,7 @@ def test_fp8_mlp_stores_the_activation_and_its_input_cotangent_in_their_dtype():
 
     def barriers(fp8):
         with te.autocast(enabled=fp8, recipe=Float8CurrentScaling()):
-            variables = module.init(jax.random.key(1), x, deterministic=True)
+            variables = _init(module, jax.random.key(1), x, deterministic=True)
             loss = lambda v, x: jnp.sum(module.apply(v, x, deterministic=True)[0].astype(jnp.float32))  # noqa: E731
             jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(variables, x)
         return [line.split("=")[0].split(":")[1].strip() for line in str(jaxpr).splitlines()

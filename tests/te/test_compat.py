@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 import flashmesh
@@ -441,7 +442,9 @@ def test_module_bias_defaults_to_post_scale():
 def test_module_learnable_softmax_param_gets_gradient():
     q, k, v = _qkv(seed=31)
     module = _module(softmax_type="learnable")
-    params = module.init(jax.random.key(0), q, k, v)["params"]
+    boxed = module.init(jax.random.key(0), q, k, v)["params"]
+    assert boxed["softmax_offset"].names == (None, "nvte_head", None, None)  # TE's logical axes
+    params = nn.unbox(boxed)
     assert params["softmax_offset"].shape == (1, N, 1, 1)
     assert params["softmax_offset"].dtype == jnp.float32
 
@@ -521,3 +524,4 @@ def test_te_dot_product_attention_passes_reproducible(monkeypatch):
         module = te_flax.DotProductAttention(head_dim=8, num_attention_heads=4, reproducible=flag)
         module.apply({}, q, q, q, deterministic=True)
     assert seen == [True, False]
+

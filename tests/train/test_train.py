@@ -214,7 +214,9 @@ def test_step_updates_params_by_the_optimizer_and_fp8_state_by_its_cotangent(mon
         loop.check_collections({"params": want}, fp8=True)
     with pytest.raises(NotImplementedError, match="threads only"):
         loop.check_collections(dict(variables), fp8=False)
-    assert loop.check_collections({"params": want, "params_axes": {}}, fp8=False) == {"params": want}
+    boxed = {"params": jax.tree.map(lambda a: nn.LogicallyPartitioned(a, (None,) * a.ndim), want)}
+    unboxed = loop.check_collections(boxed, fp8=False)  # the logical axes dropped, one device
+    assert jax.tree.structure(unboxed) == jax.tree.structure({"params": want})
 
 
 def test_optimizer_schedule_and_decay_mask():

@@ -450,7 +450,9 @@ def build(name: str, shape, dtype, platform: str) -> Model:
     detail = ("" if variant.family == "flax_mha" else
               attention_detail(shape, dtype, module.attention_dropout, variant.recipe == "fp8_attention"))
     # The guide inits with deterministic=False (Flax draws dropout keys from the params key).
-    return Model(variant, lambda key, x: module.init(key, x, attention_mask=None, deterministic=False),
+    # Unboxed: the rows run on one device, and the checks map the parameters as arrays.
+    return Model(variant, lambda key, x: nn.unbox(module.init(key, x, attention_mask=None,
+                                                              deterministic=False)),
                  lambda v, x, deterministic, rngs: module.apply(v, x, attention_mask=None,
                                                                 deterministic=deterministic, rngs=rngs),
                  cast, module=module, heads=N, detail=detail)

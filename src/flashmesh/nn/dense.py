@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax.linen import partitioning
+from flashmesh.nn import partitioning
 from jax import lax
 from jaxtyping import Array, Float
 
@@ -153,15 +153,15 @@ class _Projection(nn.Module):
         n_in = len(axes)
         in_shape = x.shape[x.ndim - n_in:]
         init = self.kernel_init or default_kernel_init()
-        kernel = partitioning.param_with_axes("kernel", init, (*in_shape, *features), self.dtype,
-                                              axes=tuple(self.kernel_axes), module=self)
+        kernel = partitioning.param(self, "kernel", init, (*in_shape, *features), self.dtype,
+                                    self.kernel_axes)
         recipe, state = qstate.gemm_state(self, postfix)
-        # Parameters in their historical order (kernel, LoRA, bias): it fixes their init keys.
-        lora = self._lora(x, in_shape, features) if self.enable_low_rank_adaptation else None
+        # Parameters in TE's order (kernel, bias, LoRA): the order fixes their init keys.
         bias = None
         if self.use_bias:
-            bias = partitioning.param_with_axes("bias", self.bias_init, features, self.dtype,
-                                                axes=tuple(self.bias_axes), module=self)
+            bias = partitioning.param(self, "bias", self.bias_init, features, self.dtype,
+                                      self.bias_axes)
+        lora = self._lora(x, in_shape, features) if self.enable_low_rank_adaptation else None
         if self.split_features and lora is None:
             return dense_general_parts(x, kernel, n_in, recipe, state, bias, source)
         y = dense_general(x, kernel, n_in, recipe, state, bias, source)
@@ -173,14 +173,12 @@ class _Projection(nn.Module):
         projection gets one per q, k, v): A [in..., lead..., r], B [lead..., r, last]
         (B starts at zero); x A B * alpha / r, in x's dtype."""
         r, lead = self.low_rank_adaptation_dim, tuple(features[:-1])
-        axes = tuple(self.kernel_axes)
-        in_axes, out_axes = (axes[:len(in_shape)], axes[len(in_shape):]) if axes else ((), ())
-        a = partitioning.param_with_axes(
-            "lora_a_kernel", self.kernel_init or default_kernel_init(), (*in_shape, *lead, r),
-            self.dtype, axes=(*in_axes, *out_axes[:-1], "lora") if axes else (), module=self)
-        b = partitioning.param_with_axes(
-            "lora_b_kernel", nn.initializers.zeros, (*lead, r, features[-1]), self.dtype,
-            axes=(*out_axes[:-1], "lora", out_axes[-1]) if axes else (), module=self)
+        a_shape, b_shape = (*in_shape, *lead, r), (*lead, r, features[-1])
+        # unsharded, as TE's (logical axes all None)
+        a = partitioning.param(self, "lora_a_kernel", self.kernel_init or default_kernel_init(),
+                               a_shape, self.dtype, (None,) * len(a_shape))
+        b = partitioning.param(self, "lora_b_kernel", nn.initializers.zeros, b_shape, self.dtype,
+                               (None,) * len(b_shape))
         h = dense_general(x, a, len(in_shape))                               # [..., lead..., r]
         n_lead = math.prod(lead)
         h = h.reshape(*h.shape[:h.ndim - len(lead) - 1], n_lead, r)

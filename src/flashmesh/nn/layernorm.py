@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax.linen import partitioning
+from flashmesh.nn import partitioning
 from jaxtyping import Array, Float
 
 from flashmesh.nn.layernorm_vjp import normalize, statistics
@@ -75,12 +75,10 @@ def layernorm_params(module: nn.Module, features: int, *, layernorm_type: str,
     layernorm_type = check_layernorm_type(layernorm_type)
     if scale_init is None:
         scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
-    scale = partitioning.param_with_axes(scale_name, scale_init, (features,), dtype,
-                                         axes=tuple(scale_axes), module=module)
+    scale = partitioning.param(module, scale_name, scale_init, (features,), dtype, scale_axes)
     bias = None
     if layernorm_type == "layernorm":
-        bias = partitioning.param_with_axes(bias_name, bias_init, (features,), dtype,
-                                            axes=tuple(bias_axes), module=module)
+        bias = partitioning.param(module, bias_name, bias_init, (features,), dtype, bias_axes)
     return scale, bias
 
 

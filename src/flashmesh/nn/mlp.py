@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax.linen import partitioning
+from flashmesh.nn import partitioning
 from jax.ad_checkpoint import checkpoint_name
 
 from flashmesh.nn.dense import constrain, default_kernel_init, dense_general, fp8_source
@@ -207,18 +207,19 @@ class LayerNormMLP(nn.Module):
     quantization_checkpoint_name: str | None = None
 
     def _param(self, name, init, shape, axes):
-        return partitioning.param_with_axes(name, init, shape, self.dtype, axes=tuple(axes), module=self)
+        return partitioning.param(self, name, init, shape, self.dtype, axes)
 
-    def _lora(self, x, prefix, a_lead, b_out, a_axes, b_axes, blocks):
+    def _lora(self, x, prefix, a_lead, b_out, blocks):
         """TE's LayerNormMLP low-rank adaptation: `{prefix}_lora_a_kernel` [in, lead..., r] (the
         kernel_init, block by block for wi as its kernel) and `{prefix}_lora_b_kernel`
         [lead..., r, out] (zeros); x A B * alpha / r (1 without alpha), in x's dtype, not FP8."""
         r = self.low_rank_adaptation_dim
         init = self.kernel_init or default_kernel_init()
         a_init = _per_block(init, blocks) if blocks else init
-        a = self._param(f"{prefix}_lora_a_kernel", a_init, (*a_lead, r), (*a_axes, "lora"))
+        # unsharded, as TE's (logical axes all None)
+        a = self._param(f"{prefix}_lora_a_kernel", a_init, (*a_lead, r), (None,) * (len(a_lead) + 1))
         b = self._param(f"{prefix}_lora_b_kernel", nn.initializers.zeros, (*b_out[:-1], r, b_out[-1]),
-                        (*b_axes[:-1], "lora", b_axes[-1]))
+                        (None,) * (len(b_out) + 1))
         a, b = a.astype(x.dtype), b.astype(x.dtype)
         y = (jnp.einsum("...h,hnr,nrf->...nf", x, a, b) if blocks else
              jnp.einsum("...f,fr,rh->...h", x, a, b))
@@ -239,15 +240,12 @@ class LayerNormMLP(nn.Module):
         mesh = jax.sharding.get_abstract_mesh()
         return not layouts.typed_sharding(x) and (mesh.empty or not mesh.manual_axes)
 
-    def _fused_call(self, x, wi, wi_bias, recipe, state_0, names, source):
-        """The FP8 MLP as one fused function. Parameters and states are created in the unfused
-        path's order; `ffn1_ckpt_name` names nothing here (h is the function's own residual).
+    def _fused_call(self, x, wi, wi_bias, wo, wo_bias, recipe, state_0, names, source):
+        """The FP8 MLP as one fused function. States are created in the unfused path's order;
+        `ffn1_ckpt_name` names nothing here (h is the function's own residual).
         source: the LayerNorm's `Normalization` (x quantised from its input; `dense.fp8_source`)."""
         hidden, n, F = wi.shape
-        wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(), (F, hidden),
-                         self.kernel_axes_2)
         _, state_1 = qstate.gemm_state(self, "_1")
-        wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2) if self.use_bias else None
         lead = x.shape[:-1]
         x2 = x.reshape(-1, hidden)
         y = fp8_mlp(x2, wi.reshape(hidden, n * F),
@@ -273,15 +271,20 @@ class LayerNormMLP(nn.Module):
 
         x = constrain(x, self.dot_1_input_axes)
         wi_init = _per_block(self.kernel_init or default_kernel_init(), n)
-        wi = self._param("wi_kernel", wi_init, (hidden, n, F),
-                         self.kernel_axes_1)
+        # the parameters in TE's order (it fixes their init keys): kernels, biases, then LoRA
+        wi = self._param("wi_kernel", wi_init, (hidden, n, F), self.kernel_axes_1)
+        wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(), (F, hidden),
+                         self.kernel_axes_2)
+        wi_bias = wo_bias = None
+        if self.use_bias:
+            wi_bias = self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1)
+            wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2)
         recipe, state = qstate.gemm_state(self, "_0")
-        wi_bias = self._param("wi_bias", self.bias_init, (n, F), self.bias_axes_1) if self.use_bias else None
         if self._fused(x, recipe, names, deterministic):
-            return self._fused_call(x, wi, wi_bias, recipe, state, names, source), ln_out
+            return self._fused_call(x, wi, wi_bias, wo, wo_bias, recipe, state, names, source), ln_out
         h = dense_general(x, wi, 1, recipe, state, wi_bias, source)    # [..., n, F]
         if self.enable_low_rank_adaptation:  # TE's: x A B * alpha / r beside the GEMM, one per block
-            h = h + self._lora(x, "wi", (hidden, n), (n, F), ("embed", "act"), ("act", "mlp"), n)
+            h = h + self._lora(x, "wi", (hidden, n), (n, F), n)
         h = checkpoint_name(h, self.ffn1_ckpt_name)
         fp8 = recipe is not None
         # Under FP8 the activation's float32 arithmetic met the FP8 GEMMs' amax-and-quantise
@@ -298,12 +301,9 @@ class LayerNormMLP(nn.Module):
                     rng_collection=self.intermediate_dropout_rng_name)(a, deterministic=deterministic)
 
         a = constrain(a, self.dot_2_input_axes)
-        wo = self._param("wo_kernel", self.kernel_init or default_kernel_init(), (F, hidden),
-                         self.kernel_axes_2)
         recipe, state = qstate.gemm_state(self, "_1")
-        wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2) if self.use_bias else None
         y = dense_general(a, wo, 1, recipe, state, wo_bias)
         if self.enable_low_rank_adaptation:
-            y = y + self._lora(a, "wo", (F,), (hidden,), ("mlp",), ("embed",), None)
+            y = y + self._lora(a, "wo", (F,), (hidden,), None)
         y = checkpoint_name(y, self.ffn2_ckpt_name)
         return y, ln_out

@@ -6,18 +6,19 @@ Every projection is one of flashmesh.nn's dense modules (so FP8 autocast covers 
 attention is one `flashmesh.attention` call made through `flashmesh.te.attention.call_native`,
 the same mapping of TE's option names that `te.flax.DotProductAttention` uses.
 
-Parameters (TE's names; logical axes in parentheses):
-  fuse_qkv_params and self-attention without GQA: qkv/{scale, ln_bias ('embed'),
-    kernel [E, 3, N*H] ('embed', 'qkv_dim', 'joined_kv'), bias [3, N*H]};
-  otherwise query/{scale, ln_bias, kernel [E, N*H] ('embed', 'joined_kv'), bias}, then
-    kv/kernel [E, 2, K*H] ('embed', 'kv_dim', 'joined_kv') when fused, or key/ and value/
-    kernels [E, K*H] when not; out/kernel [N*H, E] ('joined_kv', 'embed'), out/bias ('embed');
-  softmax_type 'learnable': softmax_offset [1, N, 1, 1] (None, 'heads', None, None), float32,
+Parameters (TE's names, boxed with TE's logical axes as `flashmesh.nn.partitioning` says;
+the axes in parentheses, fsdp / joined / tp / no_shard standing for nvte_w_fsdp, ...):
+  fuse_qkv_params and self-attention without GQA: qkv/{scale, ln_bias (no_shard),
+    kernel [E, 3, N*H] (fsdp, joined, tp), bias [3, N*H] (joined, tp)};
+  otherwise query/{scale, ln_bias, kernel [E, N*H] (fsdp, tp), bias (tp)}, then
+    kv/kernel [E, 2, K*H] (fsdp, joined, tp) when fused, or key/ and value/ kernels
+    [E, K*H] (fsdp, tp) when not; out/kernel [N*H, E] (tp, fsdp), out/bias (no_shard);
+  softmax_type 'learnable': softmax_offset [1, N, 1, 1] (None, nvte_head, None, None), float32,
     directly under the module (TE nests it in DotProductAttention_0/_FusedDotProductAttention_0/).
 Differences from TE a checkpoint or caller may meet: the second output (ln_out) is the
 LayerNorm output only when return_layernorm_output=True (TE also returns it on its unfused
-and GQA paths); axis names are the classic T5X ones ('embed', 'joined_kv', ...), not TE's
-'nvte_w_*' rules; `positions` is [B, T] (or [T, B] with transpose_batch_sequence).
+and GQA paths); no sharding constraints on the activations (TE adds them from the logical
+axes); `positions` is [B, T] (or [T, B] with transpose_batch_sequence).
 
 Masks. `mask` follows TE: a boolean [B, 1, T, S] array in which True means *masked out*, read
 only for the padding types ('padding', 'padding_causal', ...) and ignored for 'no_mask' and
@@ -51,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from flax.linen import partitioning
+from flashmesh.nn import partitioning as P
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
@@ -288,8 +289,8 @@ class MultiHeadAttention(nn.Module):
             features=features, split_features=not isinstance(features, int),
             enable_layernorm=self.input_layernorm,
             layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
-            zero_centered_gamma=self.zero_centered_gamma, scale_axes=("embed",),
-            ln_bias_axes=("embed",), kernel_init=kernel_init, kernel_axes=kernel_axes,
+            zero_centered_gamma=self.zero_centered_gamma, scale_axes=(P.W_NO_SHARD_AXES,),
+            ln_bias_axes=(P.W_NO_SHARD_AXES,), kernel_init=kernel_init, kernel_axes=kernel_axes,
             use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=bias_axes,
             return_layernorm_output=return_ln, enable_low_rank_adaptation=self._lora("qkv"),
             low_rank_adaptation_dim=self.low_rank_adaptation_dim,
@@ -300,24 +301,25 @@ class MultiHeadAttention(nn.Module):
         N, K, H = self.num_attention_heads, self._kv_heads(), self.head_dim
         heads = lambda x, n: x.reshape(*x.shape[:2], n, H)
         if self.fuse_qkv_params and self_attention and N == K:
-            qkv, ln_out = self._ln_dense((3, N * H), ("embed", "qkv_dim", "joined_kv"),
-                                         ("qkv_dim", "joined_kv"), "qkv", self._stacked_init(True),
+            qkv, ln_out = self._ln_dense((3, N * H), (P.W_FSDP_AXES, P.W_JOINED_AXES, P.W_TP_AXES),
+                                         (P.W_JOINED_AXES, P.W_TP_AXES), "qkv", self._stacked_init(True),
                                          self.return_layernorm_output)(inputs_q)
             # q, k, v apart (split_features): their gradients reach the FP8 GEMM unpacked.
             q, k, v = checkpoint_name(qkv, "combined_qkv_proj")
             return heads(q, N), heads(k, K), heads(v, K), ln_out
-        query, ln_out = self._ln_dense(N * H, ("embed", "joined_kv"), ("joined_kv",), "query",
+        query, ln_out = self._ln_dense(N * H, (P.W_FSDP_AXES, P.W_TP_AXES), (P.W_TP_AXES,), "query",
                                        self._query_init,
                                        self.return_layernorm_output or self_attention)(inputs_q)
         kv_in = ln_out if self_attention else inputs_kv  # self-attention: K, V from the LN too
         ln_out = ln_out if self.return_layernorm_output else None
         if self.fuse_qkv_params:
-            kv = self._dense((2, K * H), ("embed", "kv_dim", "joined_kv"), ("kv_dim", "joined_kv"),
-                             "kv", self._stacked_init(False))(kv_in)
+            kv = self._dense((2, K * H), (P.W_FSDP_AXES, P.W_JOINED_AXES, P.W_TP_AXES),
+                             (P.W_JOINED_AXES, P.W_TP_AXES), "kv", self._stacked_init(False))(kv_in)
             key, value = checkpoint_name(kv, "combined_kv_proj")
         else:
-            key = self._dense(K * H, ("embed", "joined_kv"), ("joined_kv",), "key", self._init())(kv_in)
-            value = self._dense(K * H, ("embed", "joined_kv"), ("joined_kv",), "value",
+            key = self._dense(K * H, (P.W_FSDP_AXES, P.W_TP_AXES), (P.W_TP_AXES,), "key",
+                              self._init())(kv_in)
+            value = self._dense(K * H, (P.W_FSDP_AXES, P.W_TP_AXES), (P.W_TP_AXES,), "value",
                                 self._init())(kv_in)
         return heads(query, N), heads(key, K), heads(value, K), ln_out
 
@@ -375,9 +377,9 @@ class MultiHeadAttention(nn.Module):
         softmax = te.canonicalize(te.AttnSoftmaxType, self.softmax_type, "softmax_type")
         offset = None
         if softmax == te.AttnSoftmaxType.LEARNABLE_SOFTMAX:
-            offset = partitioning.param_with_axes(
-                "softmax_offset", nn.initializers.zeros, (1, self.num_attention_heads, 1, 1),
-                jnp.float32, axes=(None, "heads", None, None), module=self)
+            offset = P.param(
+                self, "softmax_offset", nn.initializers.zeros, (1, self.num_attention_heads, 1, 1),
+                jnp.float32, (None, P.HEAD_AXES, None, None))
         seed = None
         if not deterministic and self.attention_dropout > 0.0:
             seed = self.make_rng(self.dropout_rng_name)
@@ -446,6 +448,6 @@ class MultiHeadAttention(nn.Module):
             rows = not_trailing[None, :] if seq_major else not_trailing[:, None]
             out = jnp.where(rows[..., None, None], jnp.nan, out)
         out = out.reshape(*out.shape[:2], -1)
-        out = self._dense(inputs_q.shape[-1], ("joined_kv", "embed"), ("embed",), "out",
+        out = self._dense(inputs_q.shape[-1], (P.W_TP_AXES, P.W_FSDP_AXES), (P.W_NO_SHARD_AXES,), "out",
                           self._init(), lora="out")(out)
         return checkpoint_name(out, "out_proj"), ln_out

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from flax.linen import partitioning
+from flashmesh.nn import partitioning
 from jaxtyping import Array, Float
 
 __all__ = ["RelativePositionBiases", "relative_position_buckets"]
@@ -95,9 +95,9 @@ class RelativePositionBiases(nn.Module):
         buckets = relative_position_buckets(q_seqlen, k_seqlen, num_buckets=self.num_buckets,
                                             max_distance=self.max_distance,
                                             bidirectional=bidirectional)
-        table = partitioning.param_with_axes(
-            "rel_embedding", self.embedding_init, (self.num_attention_heads, self.num_buckets),
-            self.dtype, axes=tuple(self.embedding_axes), module=self)
+        table = partitioning.param(
+            self, "rel_embedding", self.embedding_init, (self.num_attention_heads, self.num_buckets),
+            self.dtype, self.embedding_axes)
         # A gather of the table's columns: the same values (and gradient, a scatter-add) as
         # TE's one-hot contraction, without the [num_buckets, T, S] one-hot array.
         bias = jnp.take(jnp.asarray(table, self.dtype), jnp.asarray(buckets), axis=1)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jaxtyping import Array, Float
 
+from flashmesh.nn import partitioning as P
 from flashmesh.nn.dropout import Dropout
 from flashmesh.nn.layernorm import LayerNorm
 from flashmesh.nn.mlp import LayerNormMLP
@@ -244,10 +245,12 @@ class TransformerLayer(nn.Module):
         z, ln_out = LayerNormMLP(
             intermediate_dim=self.mlp_hidden_size, layernorm_type=self.layernorm_type,
             epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
-            scale_axes=("embed",), ln_bias_axes=("embed",), kernel_init=self.mlp_kernel_init,
-            kernel_axes_1=("embed", "act", "mlp"), kernel_axes_2=("mlp", "embed"),
-            use_bias=self.use_bias, bias_init=self.bias_init, bias_axes_1=("act", "mlp"),
-            bias_axes_2=("embed",),
+            scale_axes=(P.W_NO_SHARD_AXES,), ln_bias_axes=(P.W_NO_SHARD_AXES,),
+            kernel_init=self.mlp_kernel_init,
+            kernel_axes_1=(P.W_FSDP_AXES, P.W_JOINED_AXES, P.W_TP_AXES),
+            kernel_axes_2=(P.W_TP_AXES, P.W_FSDP_AXES), use_bias=self.use_bias,
+            bias_init=self.bias_init, bias_axes_1=(P.W_JOINED_AXES, P.W_TP_AXES),
+            bias_axes_2=(P.W_NO_SHARD_AXES,),
             return_layernorm_output=self.apply_residual_connection_post_layernorm,
             activations=tuple(self.mlp_activations), activation_params=self.mlp_activation_params,
             intermediate_dropout_rng_name=self.dropout_rng_name,
@@ -262,6 +265,7 @@ class TransformerLayer(nn.Module):
 
         if self.output_layernorm:
             z = LayerNorm(epsilon=self.layernorm_epsilon, layernorm_type=self.layernorm_type,
-                          zero_centered_gamma=self.zero_centered_gamma, scale_axes=("embed",),
-                          bias_axes=("embed",), dtype=self.dtype, name="output_layernorm")(z)
+                          zero_centered_gamma=self.zero_centered_gamma,
+                          scale_axes=(P.W_NO_SHARD_AXES,), bias_axes=(P.W_NO_SHARD_AXES,),
+                          dtype=self.dtype, name="output_layernorm")(z)
         return z

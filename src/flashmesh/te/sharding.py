@@ -1,9 +1,12 @@
 """TransformerEngine's `transformer_engine.jax.sharding` names: which mesh axis does what.
 
-`MeshResource` names the axes of the ambient mesh (the one `jax.set_mesh` installs) that each
-kind of parallelism uses; `te.autocast(mesh_resource=...)` (or `global_shard_guard`) makes it
-the current one. flashmesh reads it in one place: the context-parallel mapping of `fused_attn`
-and `DotProductAttention` (`flashmesh.te.context_parallel`), which takes
+`MeshResource` names the axes of the ambient mesh (the one `jax.set_mesh` installs, or a
+legacy `with mesh:` block's) that each kind of parallelism uses; `te.autocast(mesh_resource=...)`
+(or `global_shard_guard`) makes it the current one. flashmesh reads it in two places:
+`get_sharding_map_logic_axis_to_mesh_axis` (TE's logical axis names, which the modules' weights
+carry, to mesh axes; `te.flax.extend_logical_axis_rules` appends it to Flax rules), and the
+context-parallel mapping of `fused_attn` and `DotProductAttention`
+(`flashmesh.te.context_parallel`), which takes
 
 * the sequence axis from `cp_resource` when `context_parallel_axis` is "",
 * the batch axis from `fsdp_resource` when that axis is active, else `dp_resource`,
@@ -22,7 +25,14 @@ import contextlib
 import contextvars
 import dataclasses
 
-__all__ = ["MeshResource", "global_shard_guard", "global_mesh_resource"]
+from flashmesh.nn.partitioning import (BATCH_AXES, HEAD_AXES, HIDDEN_AXES, HIDDEN_TP_AXES, JOINED_AXES,
+                                       SEQLEN_AXES, SEQLEN_CP_AXES, SEQLEN_TP_AXES, W_FSDP_AXES,
+                                       W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES)
+
+__all__ = ["MeshResource", "global_shard_guard", "global_mesh_resource",
+           "get_sharding_map_logic_axis_to_mesh_axis", "BATCH_AXES", "SEQLEN_AXES", "SEQLEN_TP_AXES",
+           "SEQLEN_CP_AXES", "HEAD_AXES", "HIDDEN_AXES", "HIDDEN_TP_AXES", "JOINED_AXES",
+           "W_NO_SHARD_AXES", "W_FSDP_AXES", "W_TP_AXES", "W_JOINED_AXES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,3 +101,44 @@ def global_mesh_resource() -> MeshResource:
         raise RuntimeError("no MeshResource is set: wrap the code in te.autocast(mesh_resource="
                            "MeshResource(...)) or global_shard_guard(MeshResource(...))")
     return resource
+
+
+def current_mesh():
+    """The mesh in effect: a legacy `with mesh:` block's, else `jax.set_mesh`'s (possibly empty)."""
+    import jax
+    from jax._src import mesh as mesh_lib
+
+    physical = mesh_lib.thread_resources.env.physical_mesh
+    if physical is not None and not physical.empty:
+        return physical
+    return jax.sharding.get_abstract_mesh()
+
+
+def get_sharding_map_logic_axis_to_mesh_axis() -> dict[str, str | None]:
+    """TE's logical axis names -> the current MeshResource's mesh axes, as TE maps them: the
+    batch to fsdp where that axis is active (named, of size > 1) else dp; heads, the
+    tensor-parallel hidden and weights' tp axis to tpsp where active else tp; weights' fsdp
+    axis to fsdp; the sequence's tp / cp axes to tpsp / cp; the rest None. Empty when no mesh
+    is in effect or every mesh axis is manual (inside shard_map), as TE's. RuntimeError
+    without a MeshResource otherwise."""
+    mesh = current_mesh()
+    if mesh.empty:
+        return {}
+    import jax
+
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty and sorted(abstract.manual_axes) == sorted(mesh.axis_names):
+        return {}
+    r = global_mesh_resource()
+    sizes = dict(mesh.shape)
+    for name in ("dp_resource", "tp_resource", "tpsp_resource", "fsdp_resource", "cp_resource"):
+        axis = getattr(r, name)
+        if axis is not None and axis not in sizes:
+            raise ValueError(f"MeshResource.{name}={axis!r} is not an axis of the mesh "
+                             f"{tuple(mesh.axis_names)}")
+    active = lambda axis: axis is not None and sizes[axis] > 1
+    tp = r.tpsp_resource if active(r.tpsp_resource) else r.tp_resource
+    return {BATCH_AXES: r.fsdp_resource if active(r.fsdp_resource) else r.dp_resource,
+            SEQLEN_AXES: None, SEQLEN_TP_AXES: r.tpsp_resource, SEQLEN_CP_AXES: r.cp_resource,
+            HEAD_AXES: tp, HIDDEN_AXES: None, HIDDEN_TP_AXES: tp, JOINED_AXES: None,
+            W_NO_SHARD_AXES: None, W_FSDP_AXES: r.fsdp_resource, W_TP_AXES: tp, W_JOINED_AXES: None}

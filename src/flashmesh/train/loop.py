@@ -36,7 +36,6 @@ from flashmesh.train import data, gpt
 
 PRECISIONS = ("bf16", "fp8")
 FP8_COLLECTION = "fp8_metas"
-METADATA = ("params_axes",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +163,13 @@ def precision_context(precision: str, config: TrainConfig):
 def check_collections(variables: dict, fp8: bool) -> dict:
     """The variables the step threads: `params` and, under FP8, `fp8_metas`.
 
-    `params_axes` (the logical-axis names that TE-style modules record at init for sharding
-    rules) is dropped: this loop runs on one device, and `apply` does not need it. Any other
-    collection is refused, since the step would not know how to carry it.
+    The parameters come unboxed (`flax.linen.unbox`: init boxes them with their logical axes,
+    for sharding rules; this loop runs on one device). Any other collection is refused, since
+    the step would not know how to carry it.
     """
-    variables = {name: value for name, value in variables.items() if name not in METADATA}
+    from flax import linen as nn
+
+    variables = dict(nn.unbox(variables))
     expected = {"params", FP8_COLLECTION} if fp8 else {"params"}
     if fp8 and FP8_COLLECTION not in variables:
         raise ValueError(f"the FP8 run's model created no {FP8_COLLECTION!r} collection (got "

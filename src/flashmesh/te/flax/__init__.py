@@ -8,7 +8,8 @@ from flashmesh.nn.mlp import LayerNormMLP
 from flashmesh.nn.multihead import MultiHeadAttention
 from flashmesh.nn.relative import RelativePositionBiases
 from flashmesh.nn.transformer import TransformerLayer, TransformerLayerType
-from flashmesh.te.flax.transformer import DotProductAttention
+from flashmesh.te.flax.transformer import DotProductAttention, extend_logical_axis_rules
 
 __all__ = ["DenseGeneral", "DotProductAttention", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP",
-           "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "TransformerLayerType"]
+           "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "TransformerLayerType",
+           "extend_logical_axis_rules"]

@@ -15,10 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from flashmesh.nn import partitioning
+
 from flashmesh.te.attention import (AttnBiasType, AttnSoftmaxType, QKVLayout,
                                     SequenceDescriptor, call_native, canonicalize,
                                     check_no_score_mod)
 from flashmesh.te.context_parallel import context_parallel
+
+# TE's module path for these (transformer_engine/jax/flax/transformer.py), the same classes
+from flashmesh.nn.multihead import MultiHeadAttention  # noqa: E402,F401
+from flashmesh.nn.relative import RelativePositionBiases  # noqa: E402,F401
+from flashmesh.nn.transformer import TransformerLayer, TransformerLayerType  # noqa: E402,F401
 
 
 def _heads(layout: QKVLayout, query, key) -> tuple[int, int, int]:
@@ -138,8 +145,9 @@ class DotProductAttention(nn.Module):
 
         softmax_offset = None
         if softmax == AttnSoftmaxType.LEARNABLE_SOFTMAX:
-            softmax_offset = self.param("softmax_offset", nn.initializers.zeros,
-                                        (1, self.num_attention_heads, 1, 1), jnp.float32)
+            softmax_offset = partitioning.param(self, "softmax_offset", nn.initializers.zeros,
+                                                (1, self.num_attention_heads, 1, 1), jnp.float32,
+                                                (None, partitioning.HEAD_AXES, None, None))
         seed = None
         if not deterministic and self.attention_dropout > 0.0:
             seed = self.make_rng(self.dropout_rng_name)
@@ -154,3 +162,32 @@ class DotProductAttention(nn.Module):
             is_training=not deterministic, max_segments_per_seq=self.max_segments_per_seq,
             window_size=self.window_size, softmax_offset=softmax_offset, context_parallel=cp,
             module=self, reproducible=self.reproducible)
+
+
+def extend_logical_axis_rules(rules):
+    """`rules` (Flax logical axis rules: (logical name, mesh axis or None) pairs) followed by TE's
+    logical names mapped to the current MeshResource's mesh axes
+    (`te.sharding.get_sharding_map_logic_axis_to_mesh_axis`; none without a mesh), the names
+    TransformerLayer and MultiHeadAttention give their weights. A name both in `rules` and in
+    TE's map must map to the same axis there (ValueError otherwise), as TE asserts.
+
+    Example:
+        >>> with mesh, te.autocast(mesh_resource=MeshResource(dp_resource="data", tp_resource="model")):
+        ...     rules = extend_logical_axis_rules(())
+        ...     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    """
+    from flashmesh.te.sharding import get_sharding_map_logic_axis_to_mesh_axis
+
+    given: dict[str, list] = {}
+    for item in rules:
+        if len(item) != 2 or not isinstance(item[0], str) or not (item[1] is None or isinstance(item[1], str)):
+            raise ValueError(f"each rule must be (logical axis name, mesh axis name or None), got {item!r}")
+        given.setdefault(item[0], []).append(item[1])
+    extended = list(rules)
+    for name, axis in get_sharding_map_logic_axis_to_mesh_axis().items():
+        if name in given:
+            if given[name] != [axis]:
+                raise ValueError(f"rules map {name!r} to {given[name]}, TE's rules to {axis!r}")
+        else:
+            extended.append((name, axis))
+    return tuple(extended)
