@@ -525,3 +525,31 @@ def test_te_dot_product_attention_passes_reproducible(monkeypatch):
         module.apply({}, q, q, q, deterministic=True)
     assert seen == [True, False]
 
+
+def test_te_module_paths_and_fp8_availability():
+    """TE's import paths for the Flax modules, and `is_fp8_available` as TE's examples call it."""
+    from flashmesh.te.flax import module, transformer
+    from flashmesh.te.quantize import ScalingMode, is_fp8_available
+
+    assert transformer.TransformerLayer is te.flax.TransformerLayer
+    assert transformer.MultiHeadAttention is te.flax.MultiHeadAttention
+    assert module.LayerNormMLP is te.flax.LayerNormMLP
+    assert is_fp8_available() == (True, "")  # per-tensor FP8: every platform (emulated on CPU)
+    assert is_fp8_available(ScalingMode.CURRENT_TENSOR_SCALING)[0]
+    for mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.NVFP4_2D_SCALING):
+        available, reason = is_fp8_available(mode)
+        assert not available and "Blackwell" in reason
+    with pytest.raises(ValueError, match="scaling_mode"):
+        is_fp8_available("delayed")
+
+
+def test_recipes_answer_te_predicates():
+    from flashmesh.te.recipe import (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                                     NVFP4BlockScaling, Recipe)
+
+    delayed, current = DelayedScaling(), Float8CurrentScaling()
+    assert isinstance(delayed, Recipe) and delayed.delayed() and not delayed.float8_current_scaling()
+    assert current.float8_current_scaling() and current.float8_per_tensor_scaling()
+    assert not current.delayed() and not current.mxfp8()
+    assert MXFP8BlockScaling().mxfp8() and NVFP4BlockScaling().nvfp4()
+    assert not any(r.float8_block_scaling() or r.custom() for r in (delayed, current))

@@ -65,6 +65,31 @@ def _no_fp4():
                               "GPU (sm100) and are not available in flashmesh")
 
 
+class Recipe:
+    """The base of the recipes, with TransformerEngine's predicates (`recipe.delayed()`, ...)."""
+
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        return isinstance(self, Float8CurrentScaling)
+
+    def float8_per_tensor_scaling(self) -> bool:
+        return self.delayed() or self.float8_current_scaling()
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def nvfp4(self) -> bool:
+        return isinstance(self, NVFP4BlockScaling)
+
+    def float8_block_scaling(self) -> bool:
+        return False  # TE's Float8BlockScaling is not supported in its JAX stack either
+
+    def custom(self) -> bool:
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class MMParams:
     """TE's GEMM options. flashmesh, like TE's JAX stack, runs every FP8 GEMM with fast
@@ -95,7 +120,7 @@ def _per_tensor_format(recipe) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(Recipe):
     """Per-tensor scaling from the amax history (TE's default recipe).
 
     Each quantised tensor keeps `scale` [1] and `amax_history` [amax_history_len] in the
@@ -146,13 +171,10 @@ class DelayedScaling:
             raise NotImplementedError("reduce_amax=False is not supported, as in TE's JAX stack: "
                                       "amaxes are always reduced over the devices a tensor spans")
 
-    @property
-    def delayed(self) -> bool:
-        return True
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling:
+class Float8CurrentScaling(Recipe):
     """Per-tensor scaling from the tensor itself (scale = fp8_max / amax(x)); no state.
 
     Attributes:
@@ -177,13 +199,10 @@ class Float8CurrentScaling:
         if not isinstance(self.use_power_2_scales, bool):
             raise ValueError(f"use_power_2_scales must be a bool, got {self.use_power_2_scales!r}")
 
-    @property
-    def delayed(self) -> bool:
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling:
+class MXFP8BlockScaling(Recipe):
     """MXFP8: e4m3 elements with one e8m0 scale per 32 (TE's name). Its GEMMs need Blackwell."""
 
     margin: int = 0
@@ -195,7 +214,7 @@ class MXFP8BlockScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4BlockScaling:
+class NVFP4BlockScaling(Recipe):
     """NVFP4: e2m1 elements with e4m3 block scales (TE's name). Its GEMMs need Blackwell."""
 
     disable_rht: bool = False
@@ -208,4 +227,3 @@ class NVFP4BlockScaling:
     needs = "a Blackwell GPU (compute capability 10.0, sm100)"
 
 
-Recipe = DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | NVFP4BlockScaling

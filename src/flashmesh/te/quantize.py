@@ -17,6 +17,7 @@ Two things at once, as in TransformerEngine:
 from __future__ import annotations
 
 import contextlib
+import enum
 
 from flashmesh.quantization.autocast import autocast as fp8_block
 from flax.core import FrozenDict
@@ -24,7 +25,8 @@ from flax.core import FrozenDict
 from flashmesh.quantization.state import COLLECTION, update_fp8_metas
 from flashmesh.te.sharding import MeshResource, global_shard_guard
 
-__all__ = ["NVTE_FP8_COLLECTION_NAME", "autocast", "fp8_autocast", "update_collections"]
+__all__ = ["NVTE_FP8_COLLECTION_NAME", "ScalingMode", "autocast", "fp8_autocast", "is_fp8_available",
+           "update_collections"]
 
 NVTE_FP8_COLLECTION_NAME = COLLECTION  # TE's name of the collection: "fp8_metas"
 
@@ -65,3 +67,40 @@ def update_collections(new: dict, original: dict) -> dict:
         else:
             out[name] = collection
     return FrozenDict(out) if isinstance(original, FrozenDict) else out
+
+
+class ScalingMode(enum.Enum):
+    """TE's scaling modes (transformer_engine.jax.quantize.ScalingMode), for `is_fp8_available`."""
+
+    NO_SCALING = "no_scaling"
+    DELAYED_TENSOR_SCALING = "delayed_tensor_scaling"
+    CURRENT_TENSOR_SCALING = "current_tensor_scaling"
+    MXFP8_1D_SCALING = "mxfp8_1d_scaling"
+    NVFP4_1D_SCALING = "nvfp4_1d_scaling"
+    NVFP4_2D_SCALING = "nvfp4_2d_scaling"
+
+
+def is_fp8_available(scaling_mode: ScalingMode = ScalingMode.DELAYED_TENSOR_SCALING,
+                     gpu_id=None) -> tuple[bool, str]:
+    """(whether flashmesh runs `scaling_mode` here, the reason when not), TE's signature.
+
+    Per-tensor scaling (delayed, current) runs on every platform: FP8 GEMMs on GPUs of compute
+    capability 8.9+, XLA's emulation (the same numerics) elsewhere, CPU included, where TE
+    would answer False. The block-scaled modes answer False with the reason the recipes give
+    (they need Blackwell, and flashmesh does not implement them yet). gpu_id is accepted and
+    ignored (JAX's devices decide)."""
+    from flashmesh.quantization.autocast import check_supported
+    from flashmesh.quantization.recipe import MXFP8BlockScaling, NVFP4BlockScaling
+
+    if not isinstance(scaling_mode, ScalingMode):
+        raise ValueError(f"scaling_mode must be a ScalingMode, got {scaling_mode!r}")
+    recipe = {ScalingMode.MXFP8_1D_SCALING: MXFP8BlockScaling,
+              ScalingMode.NVFP4_1D_SCALING: NVFP4BlockScaling,
+              ScalingMode.NVFP4_2D_SCALING: NVFP4BlockScaling}.get(scaling_mode)
+    if recipe is None:
+        return True, ""
+    try:
+        check_supported(recipe())
+    except NotImplementedError as e:
+        return False, str(e)
+    return True, ""

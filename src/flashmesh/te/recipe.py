@@ -5,7 +5,7 @@
 """
 
 from flashmesh.quantization.recipe import (DelayedScaling, Float8CurrentScaling, Format, MMParams,
-                                           MXFP8BlockScaling, NVFP4BlockScaling)
+                                           MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 
 __all__ = ["Format", "MMParams", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
-           "NVFP4BlockScaling"]
+           "NVFP4BlockScaling", "Recipe"]
