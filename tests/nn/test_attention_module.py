@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 import flashmesh
 from flashmesh.nn import DotProductAttention
@@ -53,7 +54,9 @@ def test_segments_bias_and_mla():
 def test_learnable_sink_is_a_parameter_with_gradient():
     q, k, v = _qkv(seed=3)
     module = DotProductAttention(softmax="learnable", sink_init=jax.nn.initializers.constant(0.5))
-    params = module.init(jax.random.key(0), q, k, v)["params"]
+    boxed = module.init(jax.random.key(0), q, k, v)["params"]
+    assert boxed["sink"].names == ("nvte_head",)  # boxed with its logical axis, as every parameter
+    params = nn.unbox(boxed)
     assert params["sink"].shape == (N,) and params["sink"].dtype == jnp.float32
     _close(params["sink"], np.full(N, 0.5))
 

@@ -59,6 +59,31 @@ def test_rules_conflicts_and_bad_input():
     with jax.set_mesh(_mesh()), te.autocast(mesh_resource=MeshResource(tp_resource="tensor")):
         with pytest.raises(ValueError, match="tp_resource='tensor'"):
             te_flax.extend_logical_axis_rules(())
+    with jax.set_mesh(_mesh()), te.autocast(mesh_resource=MeshResource(tp_resource="data",
+                                                                       tpsp_resource="model")):
+        with pytest.raises(ValueError, match="both be active"):
+            te_flax.extend_logical_axis_rules(())
+    with jax.set_mesh(_mesh()), te.autocast():  # no MeshResource: TE's MeshResource(), all None
+        assert set(dict(te_flax.extend_logical_axis_rules(())).values()) == {None}
+
+
+def test_manual_axes_map_to_none():
+    """Inside shard_map a sharding constraint cannot name a manual axis: those map to None
+    (every axis manual: no rules at all, as TE's)."""
+    mesh = _mesh()
+    resource = MeshResource(fsdp_resource="data", tp_resource="model")
+    seen = {}
+
+    def body(x):
+        seen["rules"] = get_sharding_map_logic_axis_to_mesh_axis()
+        return x
+
+    with jax.set_mesh(mesh), te.autocast(mesh_resource=resource):
+        jax.shard_map(body, in_specs=P("data"), out_specs=P("data"), axis_names={"data"})(
+            jnp.zeros((4, 2)))
+        assert seen["rules"]["nvte_w_fsdp"] is None and seen["rules"]["nvte_w_tp"] == "model"
+        jax.shard_map(body, in_specs=P("data"), out_specs=P("data"))(jnp.zeros((4, 2)))
+        assert seen["rules"] == {}
 
 
 def test_te_example_flow_shards_the_layer_and_keeps_its_output():

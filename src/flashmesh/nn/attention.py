@@ -15,6 +15,7 @@ from jaxtyping import Array, Float
 
 from flashmesh.attention import api
 from flashmesh.attention.sequence import SequenceDescriptor
+from flashmesh.nn import partitioning
 from flashmesh.quantization.attention import attend_under_autocast
 
 
@@ -64,7 +65,8 @@ class DotProductAttention(nn.Module):
         sink = None
         if self.softmax == "learnable":
             # Heads are the second-to-last axis of q in every layout (packed ones included).
-            sink = self.param("sink", self.sink_init, (q.shape[-2],), jnp.float32)
+            sink = partitioning.param(self, "sink", self.sink_init, (q.shape[-2],), jnp.float32,
+                                      (partitioning.HEAD_AXES,))
         dropout_rng = None
         if self.dropout_rate > 0.0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)

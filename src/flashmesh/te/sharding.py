@@ -118,27 +118,36 @@ def get_sharding_map_logic_axis_to_mesh_axis() -> dict[str, str | None]:
     """TE's logical axis names -> the current MeshResource's mesh axes, as TE maps them: the
     batch to fsdp where that axis is active (named, of size > 1) else dp; heads, the
     tensor-parallel hidden and weights' tp axis to tpsp where active else tp; weights' fsdp
-    axis to fsdp; the sequence's tp / cp axes to tpsp / cp; the rest None. Empty when no mesh
-    is in effect or every mesh axis is manual (inside shard_map), as TE's. RuntimeError
-    without a MeshResource otherwise."""
+    axis to fsdp; the sequence's tp / cp axes to tpsp / cp; the rest None. Without a
+    MeshResource, MeshResource() (everything None), as TE's autocast installs. Empty when no
+    mesh is in effect or every mesh axis is manual (inside shard_map), as TE's; an axis that
+    is manual (a partly manual shard_map) maps to None, since a sharding constraint cannot name
+    it. ValueError where tp and tpsp are both active, or the tp, tpsp or fsdp axis is not an
+    axis of the mesh (TE asserts both)."""
+    import jax
+
     mesh = current_mesh()
     if mesh.empty:
         return {}
-    import jax
-
     abstract = jax.sharding.get_abstract_mesh()
-    if not abstract.empty and sorted(abstract.manual_axes) == sorted(mesh.axis_names):
+    manual = set() if abstract.empty else set(abstract.manual_axes)
+    if manual and manual >= set(mesh.axis_names):
         return {}
-    r = global_mesh_resource()
+    r = current_mesh_resource() or MeshResource()
     sizes = dict(mesh.shape)
-    for name in ("dp_resource", "tp_resource", "tpsp_resource", "fsdp_resource", "cp_resource"):
+    for name in ("tp_resource", "tpsp_resource", "fsdp_resource"):
         axis = getattr(r, name)
         if axis is not None and axis not in sizes:
             raise ValueError(f"MeshResource.{name}={axis!r} is not an axis of the mesh "
                              f"{tuple(mesh.axis_names)}")
-    active = lambda axis: axis is not None and sizes[axis] > 1
+    active = lambda axis: axis is not None and sizes.get(axis, 1) > 1
+    if active(r.tp_resource) and active(r.tpsp_resource):
+        raise ValueError(f"MeshResource: tensor parallelism (tp_resource={r.tp_resource!r}) and "
+                         f"tensor sequence parallelism (tpsp_resource={r.tpsp_resource!r}) cannot "
+                         f"both be active")
     tp = r.tpsp_resource if active(r.tpsp_resource) else r.tp_resource
-    return {BATCH_AXES: r.fsdp_resource if active(r.fsdp_resource) else r.dp_resource,
-            SEQLEN_AXES: None, SEQLEN_TP_AXES: r.tpsp_resource, SEQLEN_CP_AXES: r.cp_resource,
-            HEAD_AXES: tp, HIDDEN_AXES: None, HIDDEN_TP_AXES: tp, JOINED_AXES: None,
-            W_NO_SHARD_AXES: None, W_FSDP_AXES: r.fsdp_resource, W_TP_AXES: tp, W_JOINED_AXES: None}
+    table = {BATCH_AXES: r.fsdp_resource if active(r.fsdp_resource) else r.dp_resource,
+             SEQLEN_AXES: None, SEQLEN_TP_AXES: r.tpsp_resource, SEQLEN_CP_AXES: r.cp_resource,
+             HEAD_AXES: tp, HIDDEN_AXES: None, HIDDEN_TP_AXES: tp, JOINED_AXES: None,
+             W_NO_SHARD_AXES: None, W_FSDP_AXES: r.fsdp_resource, W_TP_AXES: tp, W_JOINED_AXES: None}
+    return {name: None if axis in manual else axis for name, axis in table.items()}
