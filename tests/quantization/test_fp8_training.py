@@ -391,9 +391,14 @@ def test_checkpoint_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     module = LayerNormMLP(intermediate_dim=32)
     x, dy = _x(), _x(seed=4)
-    with te.autocast(enabled=True, recipe=R):
-        variables = _init(module, jax.random.key(0), x, deterministic=True)
-    variables, _, _ = _train_steps(module, variables, x, dy, 2, call={"deterministic": True})
+    with te.autocast(enabled=True, recipe=R):  # boxed parameters, as init returns them
+        variables = module.init(jax.random.key(0), x, deterministic=True)
+    plain, y_plain, _ = _train_steps(module, nn.unbox(variables), x, dy, 2,
+                                     call={"deterministic": True})
+    variables, y, _ = _train_steps(module, variables, x, dy, 2, call={"deterministic": True})
+    assert isinstance(variables["params"]["wi_kernel"], nn.LogicallyPartitioned)
+    np.testing.assert_array_equal(y, y_plain)  # the boxes change nothing
+    jax.tree.map(np.testing.assert_array_equal, nn.unbox(variables), plain)
     state = {"params": variables["params"], "fp8_metas": variables["fp8_metas"]}
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "step2", state)
