@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flashmesh.nn import partitioning
 from jax import lax
 from jaxtyping import Array, Float
 
+from flashmesh.nn import partitioning
 from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import layouts
 from flashmesh.quantization import state as qstate

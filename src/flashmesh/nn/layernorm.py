@@ -16,9 +16,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flashmesh.nn import partitioning
 from jaxtyping import Array, Float
 
+from flashmesh.nn import partitioning
 from flashmesh.nn.layernorm_vjp import normalize, statistics
 from flashmesh.quantization.normalized import Normalization
 

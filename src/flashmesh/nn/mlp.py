@@ -17,10 +17,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flashmesh.nn import partitioning
 from jax.ad_checkpoint import checkpoint_name
 
 from flashmesh.nn.dense import constrain, default_kernel_init, dense_general, fp8_source
+from flashmesh.nn import partitioning
 from flashmesh.nn.dropout import Dropout
 from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import layouts

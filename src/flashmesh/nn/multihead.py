@@ -52,12 +52,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from flashmesh.nn import partitioning as P
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from flashmesh.attention.sequence import SequenceDescriptor, concrete
+from flashmesh.nn import partitioning as P
 from flashmesh.nn.dense import DenseGeneral, LayerNormDenseGeneral
 from flashmesh.nn.rotary import canonical_group_method, rotary_pos_emb
 

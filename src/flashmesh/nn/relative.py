@@ -25,8 +25,9 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from flashmesh.nn import partitioning
 from jaxtyping import Array, Float
+
+from flashmesh.nn import partitioning
 
 __all__ = ["RelativePositionBiases", "relative_position_buckets"]
 
