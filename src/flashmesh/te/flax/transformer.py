@@ -16,16 +16,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from flashmesh.nn import partitioning
-
+# TE's module path for these (transformer_engine/jax/flax/transformer.py), the same classes
+from flashmesh.nn.multihead import MultiHeadAttention  # noqa: F401
+from flashmesh.nn.relative import RelativePositionBiases  # noqa: F401
+from flashmesh.nn.transformer import TransformerLayer, TransformerLayerType  # noqa: F401
 from flashmesh.te.attention import (AttnBiasType, AttnSoftmaxType, QKVLayout,
                                     SequenceDescriptor, call_native, canonicalize,
                                     check_no_score_mod)
 from flashmesh.te.context_parallel import context_parallel
-
-# TE's module path for these (transformer_engine/jax/flax/transformer.py), the same classes
-from flashmesh.nn.multihead import MultiHeadAttention  # noqa: E402,F401
-from flashmesh.nn.relative import RelativePositionBiases  # noqa: E402,F401
-from flashmesh.nn.transformer import TransformerLayer, TransformerLayerType  # noqa: E402,F401
 
 
 def _heads(layout: QKVLayout, query, key) -> tuple[int, int, int]:
@@ -172,7 +170,8 @@ def extend_logical_axis_rules(rules):
     TE's map must map to the same axis there (ValueError otherwise), as TE asserts.
 
     Example:
-        >>> with mesh, te.autocast(mesh_resource=MeshResource(dp_resource="data", tp_resource="model")):
+        >>> resource = MeshResource(dp_resource="data", tp_resource="model")
+        >>> with jax.set_mesh(mesh), te.autocast(mesh_resource=resource):
         ...     rules = extend_logical_axis_rules(())
         ...     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
     """
