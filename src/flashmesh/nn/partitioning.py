@@ -15,8 +15,8 @@ for any boxed parameter. `nn.unbox(variables)` gives the plain arrays.
 Example:
     >>> variables = te_flax.TransformerLayer(...).init(key, x)
     >>> specs = nn.get_partition_spec(variables)          # PartitionSpec('nvte_w_fsdp', ...)
-    >>> with te.autocast(mesh_resource=te.sharding.MeshResource(tp_resource="model")):
-    ...     rules = te_flax.extend_logical_axis_rules(())
+    >>> with jax.set_mesh(mesh), te.autocast(mesh_resource=te.sharding.MeshResource(tp_resource="model")):
+    ...     rules = te_flax.extend_logical_axis_rules(())    # needs the mesh in effect
     >>> shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
 """
 
