@@ -172,7 +172,6 @@ class DelayedScaling(Recipe):
                                       "amaxes are always reduced over the devices a tensor spans")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Float8CurrentScaling(Recipe):
     """Per-tensor scaling from the tensor itself (scale = fp8_max / amax(x)); no state.
@@ -200,7 +199,6 @@ class Float8CurrentScaling(Recipe):
             raise ValueError(f"use_power_2_scales must be a bool, got {self.use_power_2_scales!r}")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class MXFP8BlockScaling(Recipe):
     """MXFP8: e4m3 elements with one e8m0 scale per 32 (TE's name). Its GEMMs need Blackwell."""
@@ -225,5 +223,3 @@ class NVFP4BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     needs = "a Blackwell GPU (compute capability 10.0, sm100)"
-
-

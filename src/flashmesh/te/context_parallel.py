@@ -41,7 +41,7 @@ import numpy as np
 
 from flashmesh.parallel import layouts
 from flashmesh.te.enums import CPStrategy, QKVLayout, ReorderStrategy, canonicalize
-from flashmesh.te.sharding import MeshResource, current_mesh_resource
+from flashmesh.te.sharding import MeshResource, active_axis, current_mesh_resource, tensor_axis
 
 __all__ = ["ContextParallel", "context_parallel", "reorder_causal_load_balancing",
            "inverse_reorder_causal_load_balancing", "STRATEGIES", "ORDERS"]
@@ -112,27 +112,16 @@ def _axis_in(mesh, axis: str, name: str) -> int:
     return mesh.shape[axis]
 
 
-def _active(mesh, resource: MeshResource, field: str) -> str | None:
-    """The axis `resource.<field>` names when it is in the mesh with size > 1, else None."""
-    axis = getattr(resource, field)
-    if axis is None:
-        return None
-    return axis if _axis_in(mesh, axis, f"MeshResource.{field}") > 1 else None
-
-
 def _batch_and_head_axes(mesh, resource: MeshResource | None, cp_axis: str):
     if resource is None:
         return None, None
-    dp, fsdp = _active(mesh, resource, "dp_resource"), _active(mesh, resource, "fsdp_resource")
-    tp, tpsp = _active(mesh, resource, "tp_resource"), _active(mesh, resource, "tpsp_resource")
+    dp, fsdp = (active_axis(mesh, resource, f) for f in ("dp_resource", "fsdp_resource"))
     if dp and fsdp and dp != fsdp:
         raise NotImplementedError(
             f"context parallelism with the batch sharded over both dp_resource={dp!r} and "
             f"fsdp_resource={fsdp!r}: flashmesh.context_parallel_attention takes one batch axis")
-    if tp and tpsp and tp != tpsp:
-        raise ValueError(f"tp_resource={tp!r} and tpsp_resource={tpsp!r} cannot both be active "
-                         "(tensor parallelism and tensor sequence parallelism exclude each other)")
-    batch_axis, head_axis = fsdp or dp, tpsp or tp
+    batch_axis = fsdp or dp
+    head_axis = tensor_axis(*(active_axis(mesh, resource, f) for f in ("tp_resource", "tpsp_resource")))
     for name, axis in (("batch", batch_axis), ("head", head_axis)):
         if axis == cp_axis:
             raise ValueError(f"the {name} axis {axis!r} of the MeshResource is also the context "

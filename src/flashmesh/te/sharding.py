@@ -134,20 +134,33 @@ def get_sharding_map_logic_axis_to_mesh_axis() -> dict[str, str | None]:
     if manual and manual >= set(mesh.axis_names):
         return {}
     r = current_mesh_resource() or MeshResource()
-    sizes = dict(mesh.shape)
-    for name in ("tp_resource", "tpsp_resource", "fsdp_resource"):
-        axis = getattr(r, name)
-        if axis is not None and axis not in sizes:
-            raise ValueError(f"MeshResource.{name}={axis!r} is not an axis of the mesh "
-                             f"{tuple(mesh.axis_names)}")
-    active = lambda axis: axis is not None and sizes.get(axis, 1) > 1
-    if active(r.tp_resource) and active(r.tpsp_resource):
-        raise ValueError(f"MeshResource: tensor parallelism (tp_resource={r.tp_resource!r}) and "
-                         f"tensor sequence parallelism (tpsp_resource={r.tpsp_resource!r}) cannot "
-                         f"both be active")
-    tp = r.tpsp_resource if active(r.tpsp_resource) else r.tp_resource
-    table = {BATCH_AXES: r.fsdp_resource if active(r.fsdp_resource) else r.dp_resource,
+    fsdp, tpsp = active_axis(mesh, r, "fsdp_resource"), active_axis(mesh, r, "tpsp_resource")
+    tp = tensor_axis(active_axis(mesh, r, "tp_resource"), tpsp) or r.tp_resource
+    table = {BATCH_AXES: fsdp or r.dp_resource,
              SEQLEN_AXES: None, SEQLEN_TP_AXES: r.tpsp_resource, SEQLEN_CP_AXES: r.cp_resource,
              HEAD_AXES: tp, HIDDEN_AXES: None, HIDDEN_TP_AXES: tp, JOINED_AXES: None,
              W_NO_SHARD_AXES: None, W_FSDP_AXES: r.fsdp_resource, W_TP_AXES: tp, W_JOINED_AXES: None}
     return {name: None if axis in manual else axis for name, axis in table.items()}
+
+
+def active_axis(mesh, resource: MeshResource, field: str) -> str | None:
+    """The axis `resource.<field>` names when it is an axis of `mesh` of size > 1 ("active"),
+    None when unnamed or of size 1; ValueError when the mesh has no such axis."""
+    axis = getattr(resource, field)
+    if axis is None:
+        return None
+    if axis not in mesh.axis_names:
+        raise ValueError(f"MeshResource.{field}={axis!r} is not an axis of the mesh "
+                         f"{tuple(mesh.axis_names)}")
+    return axis if dict(mesh.shape)[axis] > 1 else None
+
+
+def tensor_axis(tp: str | None, tpsp: str | None) -> str | None:
+    """The active tensor-parallel axis of the active tp and tpsp axes (tpsp first); ValueError
+    when both are active and differ (tensor and tensor sequence parallelism exclude each
+    other, as TE asserts)."""
+    if tp and tpsp and tp != tpsp:
+        raise ValueError(f"MeshResource: tp_resource={tp!r} and tpsp_resource={tpsp!r} cannot both "
+                         "be active (tensor parallelism and tensor sequence parallelism exclude "
+                         "each other)")
+    return tpsp or tp
