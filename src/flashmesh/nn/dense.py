@@ -1,7 +1,8 @@
 """`dense_general` and the `DenseGeneral` / `LayerNormDenseGeneral` modules (TE's fields).
 
 The math is `dense_general(x, kernel, n_contract, recipe, state)`: x's trailing `n_contract`
-axes contract with the kernel's leading ones, as one 2-D GEMM [M, K] @ [K, N]. Outside FP8
+axes contract with the kernel's leading ones, as one 2-D GEMM [M, K] @ [K, N] (laid out by
+`gemm_layout.Layout`, which on Explicit mesh axes orders and shards it to pass JAX's checks). Outside FP8
 autocast it is an ordinary dot in x's dtype (the kernel is cast to it); inside, it is
 `flashmesh.quantization.dense` (FP8 GEMMs forward and backward, the kernel quantised from its
 float32 parameter, as in TransformerEngine).
@@ -18,7 +19,7 @@ from flax import linen as nn
 from jax import lax
 from jaxtyping import Array, Float
 
-from flashmesh.nn import partitioning
+from flashmesh.nn import gemm_layout, partitioning
 from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import layouts
 from flashmesh.quantization import state as qstate
@@ -62,14 +63,16 @@ def dense_general(x: Float[Array, "... K"], kernel: Float[Array, "K... N..."], n
     (after the reshape to [..., N...] it stays a separate pass over the output). source: where x
     is a LayerNorm's output, what it is made of (`quantization.normalized.Normalization`); see
     `fp8_source`."""
-    x2, k2, lead, out_shape = _flatten(x, kernel, n_contract, bias)
+    layout = _flatten(x, kernel, n_contract, bias)
+    x2, k2 = layout.x2(x), layout.k2(kernel)
     if recipe is None:
-        y = lax.dot_general(x2, _cast_for_gemm(k2, x.dtype), (((1,), (0,)), ((), ())))
+        y = lax.dot_general(x2, _cast_for_gemm(k2, x.dtype), (((1,), (0,)), ((), ())),
+                            out_sharding=layout.y2_sharding())
     else:
         y = fp8_dense(x2, k2, state, recipe, fp8_source(source, x2, n_contract))
     if bias is not None:
-        y = y + bias.reshape(1, -1).astype(y.dtype)
-    return y.reshape(*lead, *out_shape)
+        y = y + layout.bias2(bias).astype(y.dtype)
+    return layout.y(y)
 
 
 def dense_general_parts(x, kernel, n_contract: int, recipe=None, state=None, bias=None,
@@ -78,20 +81,22 @@ def dense_general_parts(x, kernel, n_contract: int, recipe=None, state=None, bia
     [..., N_rest...], y[..., i, ...] for each index i (a fused QKV projection's q, k and v).
     Under FP8 (recipe given, no typed sharding) the GEMM is `quantization.dense_parts`, whose
     backward quantises the parts' gradients where they lie instead of packing them first."""
-    x2, k2, lead, out_shape = _flatten(x, kernel, n_contract, bias)
+    layout = _flatten(x, kernel, n_contract, bias)
+    lead, out_shape = layout.lead, layout.out
     if len(out_shape) < 2:
         raise ValueError(f"kernel's output shape {tuple(out_shape)} must have two axes or more to split")
-    if recipe is None or layouts.typed_sharding(x2) or layouts.typed_sharding(k2):
+    if recipe is None or layout.mesh is not None:
         y = dense_general(x, kernel, n_contract, recipe, state, bias, source)
         return _split(y, len(out_shape))
+    x2, k2 = layout.x2(x), layout.k2(kernel)
     flat_bias = None if bias is None else bias.reshape(-1)
     ys = fp8_dense_parts(x2, k2, flat_bias, state, recipe, out_shape[0],
                          fp8_source(source, x2, n_contract))
     return tuple(y.reshape(*lead, *out_shape[1:]) for y in ys)
 
 
-def _flatten(x, kernel, n_contract, bias):
-    """(x [M, K], kernel [K, N], x's leading shape, the kernel's output shape), checked."""
+def _flatten(x, kernel, n_contract, bias) -> gemm_layout.Layout:
+    """The contraction's 2-D layout (`gemm_layout.Layout`), its shapes checked."""
     lead, inner = x.shape[:x.ndim - n_contract], x.shape[x.ndim - n_contract:]
     if tuple(kernel.shape[:n_contract]) != tuple(inner):
         raise ValueError(f"kernel's contracted shape {kernel.shape[:n_contract]} must equal the "
@@ -99,8 +104,7 @@ def _flatten(x, kernel, n_contract, bias):
     out_shape = kernel.shape[n_contract:]
     if bias is not None and tuple(bias.shape) != tuple(out_shape):
         raise ValueError(f"bias.shape={bias.shape} must equal the kernel's output shape {out_shape}")
-    k_dim, n_dim = math.prod(inner), math.prod(out_shape)
-    return x.reshape(-1, k_dim), kernel.reshape(k_dim, n_dim), lead, out_shape
+    return gemm_layout.Layout.of(x, kernel, n_contract)
 
 
 def fp8_source(source, x2: jax.Array, n_contract: int):
@@ -215,8 +219,8 @@ class DenseGeneral(_Projection):
       split_features: return y as the tuple of y[..., i, ...] over the first of two or more
         features axes (flashmesh's field: a fused QKV projection's q, k, v). Under FP8 autocast
         the GEMM's gradient is then quantised from the parts as they come back, not packed first
-        (`quantization.dense_parts`; its bias gradient is a float32 sum), except with LoRA or a
-        mesh with Explicit axes, where the split follows the GEMM.
+        (`quantization.dense_parts`; its bias gradient is a float32 sum), except with LoRA or
+        operands sharded in their types (Explicit mesh axes), where the split follows the GEMM.
 
     Example:
       >>> y = DenseGeneral(features=3 * 4096, use_bias=True).apply(variables, x)  # x [B, T, 4096]
