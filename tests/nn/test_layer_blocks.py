@@ -9,6 +9,7 @@ from flax import linen as nn
 
 from flashmesh.nn import (DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, activation,
                           layernorm)
+from flashmesh.nn.activations import ActivationParams
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -188,6 +189,44 @@ def test_layernorm_mlp_intermediate_dropout():
     assert not np.allclose(y_a, y_det) and not np.allclose(y_a, y_b)
     with pytest.raises(Exception, match="dropout"):
         module.apply(variables, x, deterministic=False)  # needs the rng stream
+
+
+def test_clamped_swiglu_equals_gpt_oss_formula():
+    """GPT-OSS's clamped SwiGLU (TE's ('clamped_silu', 'clamped_linear')): min(h0, limit) times
+    sigmoid(alpha min(h0, limit)) times (clip(h1, -limit, limit) + 1), in the module with TE's
+    activation_params dict (given linear first too) and in `activation` with ActivationParams."""
+    x = _x() * 4.0
+    limit, alpha = 1.5, 1.3
+
+    def swiglu(h):
+        g = jnp.minimum(h[..., 0, :], limit)
+        return g * jax.nn.sigmoid(alpha * g) * (jnp.clip(h[..., 1, :], -limit, limit) + 1.0)
+
+    for acts in [("clamped_silu", "clamped_linear"), ("clamped_linear", "clamped_silu")]:
+        module = LayerNormMLP(intermediate_dim=48, activations=acts, use_bias=True,
+                              activation_params={"limit": limit, "alpha": alpha})
+        params = _randomise(module.init(jax.random.key(0), x, deterministic=True)["params"])
+        y, _ = module.apply({"params": params}, x, deterministic=True)
+        ln = nn.LayerNorm(epsilon=1e-6).apply({"params": {"scale": params["scale"], "bias": params["ln_bias"]}}, x)
+        h = _add(jnp.einsum("btd,dnf->btnf", ln, params["wi_kernel"]), params["wi_bias"])
+        assert float(jnp.mean(jnp.abs(h) > limit)) > 0.1  # the clamp is exercised
+        expected = _add(swiglu(h) @ params["wo_kernel"], params["wo_bias"])
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5 * float(jnp.abs(expected).max()))
+    h = _x((2, 3, 2, 8)) * 4.0
+    got = activation(h, ("clamped_silu", "clamped_linear"),
+                     act_params=ActivationParams.create(("clamped_silu", "clamped_linear"),
+                                                        limit=limit, alpha=alpha))
+    np.testing.assert_allclose(got, swiglu(h), **TOL)
+    default = jnp.minimum(h[..., 0, :], 7.0) * jax.nn.sigmoid(1.702 * jnp.minimum(h[..., 0, :], 7.0))
+    np.testing.assert_allclose(activation(h, ("clamped_silu", "clamped_linear")),
+                               default * (jnp.clip(h[..., 1, :], -7.0, 7.0) + 1.0), **TOL)
+    with pytest.raises(ValueError, match="take no parameters"):
+        LayerNormMLP(intermediate_dim=8, activation_params={"limit": 1.0}).init(
+            jax.random.key(0), x, deterministic=True)
+    with pytest.raises(ValueError, match="unknown"):
+        ActivationParams.create(("clamped_silu", "clamped_linear"), beta=1.0)
+    with pytest.raises(ValueError, match="act_params"):
+        activation(h, ("clamped_silu", "clamped_linear"), act_params={"limit": 1.0})
 
 
 def test_activation_function():

@@ -10,7 +10,8 @@ from flax import linen as nn
 import flashmesh.te as te
 from flashmesh.nn import LayerNormMLP
 from flashmesh.nn import mlp as nn_mlp
-from flashmesh.nn.mlp import ACTIVATIONS
+from flashmesh.nn.activations import (ACTIVATIONS, ActivationParams, ClampedSwigluParams,
+                                      activation_functions)
 from flashmesh.quantization import activation, dense, layouts, update_fp8_metas
 from flashmesh.quantization.mlp import fp8_mlp
 from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
@@ -18,7 +19,10 @@ from flashmesh.quantization.recipe import DelayedScaling, Float8CurrentScaling, 
 R = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
 ACTS = {"gelu": (ACTIVATIONS["gelu"],), "relu": (ACTIVATIONS["relu"],),
         "swiglu": (ACTIVATIONS["silu"], ACTIVATIONS["linear"]),
-        "geglu": (ACTIVATIONS["gelu"], ACTIVATIONS["linear"])}
+        "geglu": (ACTIVATIONS["gelu"], ACTIVATIONS["linear"]),
+        # GPT-OSS's, with a limit the inputs (x 3) cross
+        "clamped_swiglu": activation_functions(("clamped_silu", "clamped_linear"), ActivationParams(
+            ClampedSwigluParams(limit=2.0, alpha=1.5)))}
 
 
 def _inputs(n, M=128, F=192, dtype=jnp.bfloat16, seed=0):
@@ -136,17 +140,20 @@ def test_bad_shapes_are_refused():
     assert activation.fits(h, 2) and not activation.fits(h[:, :200], 2)
 
 
-@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS) + ["clamped_swiglu"])
 def test_every_table_activation_lowers_to_triton_for_cuda(name, monkeypatch):
     """On a CPU the kernels are lowered (not compiled) for CUDA with an H200's description: every
-    activation of the table lowers to Triton, forward and backward, gated or not."""
+    activation of the table lowers to Triton, forward and backward, gated or not, and GPT-OSS's
+    clamped SwiGLU pair."""
     from jax._src.pallas.triton import gpu_info
 
     monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     monkeypatch.setattr(jax, "device_count", lambda: 1)  # kernel=None: the CUDA branch is the kernel
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     S = jax.ShapeDtypeStruct
-    for acts in [(ACTIVATIONS[name],), (ACTIVATIONS[name], ACTIVATIONS["linear"])]:
+    pairs = ([activation_functions(("clamped_silu", "clamped_linear"))] if name == "clamped_swiglu"
+             else [(ACTIVATIONS[name],), (ACTIVATIONS[name], ACTIVATIONS["linear"])])
+    for acts in pairs:
         n = len(acts)
         fwd = jax.jit(lambda h, b, s: activation.act_quantize_both(h, b, acts, s, jnp.float8_e4m3fn))
         bwd = jax.jit(lambda g, h, b, s: activation.dact_quantize_both(g, h, b, acts, s, jnp.float8_e5m2))
@@ -231,13 +238,16 @@ def _steps(module, x, dy, fused: bool, monkeypatch, steps=2):
 _FUSED = nn_mlp.LayerNormMLP._fused
 
 
-@pytest.mark.parametrize("activations", [("gelu",), ("silu", "linear")])
+@pytest.mark.parametrize("activations", [("gelu",), ("silu", "linear"), ("clamped_silu", "clamped_linear")])
 def test_layernorm_mlp_fused_equals_unfused(activations, monkeypatch):
     """Two FP8 training steps of LayerNormMLP through fp8_mlp and through the two DenseGeneral
-    GEMMs: the same loss, gradients and FP8 state (within FP8's rounding)."""
+    GEMMs: the same loss, gradients and FP8 state (within FP8's rounding). The clamped SwiGLU's
+    limit is low enough to clamp."""
     x = jax.random.normal(jax.random.key(0), (2, 32, 64), jnp.float32).astype(jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(5), (2, 32, 64), jnp.float32)
-    module = LayerNormMLP(intermediate_dim=128, activations=activations, use_bias=True, dtype=jnp.float32)
+    params = {"limit": 0.5, "alpha": 1.2} if activations[0] == "clamped_silu" else None
+    module = LayerNormMLP(intermediate_dim=128, activations=activations, use_bias=True, dtype=jnp.float32,
+                          activation_params=params)
     a = _steps(module, x, dy, True, monkeypatch)
     b = _steps(module, x, dy, False, monkeypatch)
     # the last step's output (its loss, a sum of y dy, cancels too much for a relative check)
@@ -279,7 +289,7 @@ def test_layernorm_mlp_takes_the_fused_path_only_where_it_applies(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_fused_kernels_compile_and_equal_xla():
     """On the GPU both kernels compile to Triton custom calls and agree with the XLA form."""
-    for name in ("gelu", "swiglu"):
+    for name in ("gelu", "swiglu", "clamped_swiglu"):
         acts = ACTS[name]
         h, bias, g = _inputs(len(acts), M=2048, F=1024, seed=2)
         s = jnp.full((1,), 3.0, jnp.float32)

@@ -1,16 +1,18 @@
-"""`activation` and the `LayerNormMLP` module (TransformerEngine's fields and parameter names).
+"""The `LayerNormMLP` module (TransformerEngine's fields and parameter names); its activations,
+and TE's `activation` function, are `flashmesh.nn.activations`'.
 
     LayerNormMLP(x) = dropout(act(layernorm(x) @ wi + wi_bias)) @ wo + wo_bias
 
 with `wi_kernel` [H, n, F] for n = len(activations): one activation, e.g. ('gelu',), or a
-gated pair, e.g. ('gelu', 'linear') (GeGLU) or ('silu', 'linear') (SwiGLU), where
+gated pair, e.g. ('gelu', 'linear') (GeGLU), ('silu', 'linear') (SwiGLU) or GPT-OSS's
+('clamped_silu', 'clamped_linear') with `activation_params`, where
 act(h) = f(h[..., 0, :]) * g(h[..., 1, :]). Under FP8 autocast both GEMMs run in FP8 with
 their own state (postfixes "_0" and "_1").
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 
 from typing import Any, Callable, Sequence
 
@@ -19,48 +21,18 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from flashmesh.nn.activations import (ACTIVATIONS, CLAMPED, ActivationParams, activation,
+                                      activation_functions, activation_names)
 from flashmesh.nn.dense import constrain, default_kernel_init, dense_general, fp8_source
 from flashmesh.nn import partitioning
 from flashmesh.nn.dropout import Dropout
 from flashmesh.nn.layernorm import input_layernorm
 from flashmesh.quantization import layouts
-from flashmesh.quantization.activation import gelu_tanh
 from flashmesh.quantization import state as qstate
 from flashmesh.quantization.mlp import fp8_mlp
 from flashmesh.quantization.recipe import DelayedScaling
 
-__all__ = ["ACTIVATIONS", "activation", "LayerNormMLP"]
-
-ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": gelu_tanh,   # TE's gelu is the tanh form
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-    "squared_relu": lambda x: jnp.square(jax.nn.relu(x)),
-    "linear": lambda x: x,
-}
-
-
-def _activation_names(activation_type) -> tuple[str, ...]:
-    names = tuple(a.lower() if isinstance(a, str) else a for a in activation_type)
-    if not 1 <= len(names) <= 2:
-        raise ValueError(f"activation_type must hold one activation or a gated pair, got {activation_type!r}")
-    unknown = [a for a in names if not isinstance(a, str) or _act_fn(a) is None]
-    if unknown:
-        raise ValueError(f"activation_type: unknown {unknown}; expected names from {sorted(ACTIVATIONS)} "
-                         f"or a flax.linen activation")
-    return names
-
-
-def _act_fn(name: str):
-    """The activation of a name: flashmesh's table, else flax.linen's function of that name
-    (TE's LayerNormMLP takes any, `getattr(nn, name)`), else None."""
-    if name in ACTIVATIONS:
-        return ACTIVATIONS[name]
-    fn = getattr(nn, name, None)
-    return fn if callable(fn) and not isinstance(fn, type) else None
-
+__all__ = ["ACTIVATIONS", "activation", "LayerNormMLP"]  # the first two from nn.activations
 
 def _per_block(init: Callable, n: int) -> Callable:
     """TE's `kernel_1_init`: wi_kernel [H, n, F] as n independent draws of `init` over [H, F]
@@ -76,47 +48,11 @@ def _per_block(init: Callable, n: int) -> Callable:
 
 
 def _mlp_activation_names(activations) -> tuple[str, ...]:
-    """LayerNormMLP's order, TE's: a pair given linear first, ('linear', 'gelu'), is the gated
-    pair ('gelu', 'linear'), gelu(h0) * h1 (TE reverses it before use)."""
-    names = _activation_names(activations)
-    return names[::-1] if names[0] == "linear" else names
-
-
-def activation(x: jax.Array, activation_type: Sequence[str] = ("gelu",), quantizer=None,
-               act_params=None) -> jax.Array:
-    """TE's `activation`: x [..., n, F] with n = len(activation_type) -> [..., F].
-
-    One activation applies to x[..., 0, :]; a pair multiplies the first applied to x[..., 0, :]
-    by the second applied to x[..., 1, :] (gated: ('gelu', 'linear') is GeGLU). Computed in
-    float32, returned in x's dtype.
-
-    Example:
-      >>> y = activation(h.reshape(*h.shape[:-1], 1, h.shape[-1]), ("gelu",))
-    """
-    if quantizer is not None:
-        raise NotImplementedError("activation(quantizer=...): flashmesh quantises a GEMM's input "
-                                  "inside the GEMM; pass quantizer=None")
-    if act_params is not None:
-        raise NotImplementedError("activation(act_params=...) (clamped SwiGLU parameters) is not supported")
-    names = _activation_names(activation_type)
-    if x.ndim < 2 or x.shape[-2] != len(names):
-        raise ValueError(f"activation: x.shape[-2] must equal len(activation_type)={len(names)}, "
-                         f"got x.shape={x.shape}")
-    return _activation_rematerialised(x, names)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(1,), policy=jax.checkpoint_policies.nothing_saveable)
-def _activation_rematerialised(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    """The activation in float32, in x's dtype. Under autodiff only x is kept for the
-    backward, which recomputes the float32 intermediates inside its own fusion (as TE's
-    kernels do): otherwise XLA keeps them (e.g. GELU's tanh) as float32 arrays, twice the
-    bytes of the input (at the guide's size 0.8 GB of traffic per step: the GELU fusion of
-    benchmarks/results/2026-12-02-nvidia-h200-layer/profile/ba2dd47-*.hlo)."""
-    xf = x.astype(jnp.float32)
-    y = _act_fn(names[0])(xf[..., 0, :])
-    if len(names) == 2:
-        y = y * _act_fn(names[1])(xf[..., 1, :])
-    return y.astype(x.dtype)
+    """LayerNormMLP's order, TE's: a pair given linear first, ('linear', 'gelu') or
+    ('clamped_linear', 'clamped_silu'), is the gated pair ('gelu', 'linear'), gelu(h0) * h1
+    (TE reverses it before use)."""
+    names = activation_names(activations)
+    return names[::-1] if names[0] in ("linear", "clamped_linear") else names
 
 
 @jax.custom_vjp
@@ -152,7 +88,10 @@ class LayerNormMLP(nn.Module):
       return_layernorm_output: also return the normalised input (else None).
       activations: one name or a gated pair (see `activation`); a pair given linear first,
         ('linear', 'gelu'), is reversed as TE reverses it (gelu(h0) * h1); a name outside
-        flashmesh's table is flax.linen's function of that name (TE's rule). activation_params: None.
+        flashmesh's table is flax.linen's function of that name (TE's rule).
+      activation_params: the activations' parameters as TE's dict, None for the defaults: for
+        GPT-OSS's clamped SwiGLU ('clamped_silu', 'clamped_linear'), {'limit': 7.0, 'alpha': 1.702}
+        (`flashmesh.nn.activations.ActivationParams.create`).
       intermediate_dropout_rng_name, intermediate_dropout_rate, intermediate_hidden_dropout_dims:
         dropout on the activation's output (broadcast along the given dims).
       enable_low_rank_adaptation, low_rank_adaptation_dim (32), low_rank_adaptation_alpha (None):
@@ -235,12 +174,12 @@ class LayerNormMLP(nn.Module):
             return False
         if self.intermediate_dropout_rate > 0 and not deterministic:
             return False
-        if any(name not in ACTIVATIONS for name in names):
+        if any(name not in ACTIVATIONS and name not in CLAMPED for name in names):
             return False
         mesh = jax.sharding.get_abstract_mesh()
         return not layouts.typed_sharding(x) and (mesh.empty or not mesh.manual_axes)
 
-    def _fused_call(self, x, wi, wi_bias, wo, wo_bias, recipe, state_0, names, source):
+    def _fused_call(self, x, wi, wi_bias, wo, wo_bias, recipe, state_0, fns, source):
         """The FP8 MLP as one fused function. States are created in the unfused path's order;
         `ffn1_ckpt_name` names nothing here (h is the function's own residual).
         source: the LayerNorm's `Normalization` (x quantised from its input; `dense.fp8_source`)."""
@@ -250,7 +189,7 @@ class LayerNormMLP(nn.Module):
         x2 = x.reshape(-1, hidden)
         y = fp8_mlp(x2, wi.reshape(hidden, n * F),
                     None if wi_bias is None else wi_bias.reshape(n * F), wo, state_0, state_1, recipe,
-                    tuple(ACTIVATIONS[name] for name in names), fp8_source(source, x2, 1))
+                    fns, fp8_source(source, x2, 1))
         if wo_bias is not None:
             y = y + wo_bias.reshape(1, hidden).astype(y.dtype)
         return checkpoint_name(y.reshape(*lead, hidden), self.ffn2_ckpt_name)
@@ -260,10 +199,14 @@ class LayerNormMLP(nn.Module):
         if self.axis not in (-1, inputs.ndim - 1):
             raise ValueError(f"axis must be -1 (the last axis), got {self.axis}")
         if any(callable(a) for a in self.activations):
-            raise NotImplementedError("callable activations: pass names (see flashmesh.nn.mlp.ACTIVATIONS)")
+            raise NotImplementedError("callable activations: pass names (see flashmesh.nn.activations)")
         if self.quantization_checkpoint_name is not None:
             raise NotImplementedError("quantization_checkpoint_name is not supported (see DenseGeneral)")
         names = _mlp_activation_names(self.activations)
+        if self.activation_params is not None and not isinstance(self.activation_params, Mapping):
+            raise ValueError(f"activation_params must be a dict or None, got "
+                             f"{type(self.activation_params).__name__}")
+        params = ActivationParams.create(names, **(self.activation_params or {}))
         x, source = input_layernorm(self, constrain(inputs, self.layernorm_input_axes)
                                     if self.enable_layernorm else inputs)
         ln_out = x if self.return_layernorm_output else None
@@ -281,7 +224,8 @@ class LayerNormMLP(nn.Module):
             wo_bias = self._param("wo_bias", self.bias_init, (hidden,), self.bias_axes_2)
         recipe, state = qstate.gemm_state(self, "_0")
         if self._fused(x, recipe, names, deterministic):
-            return self._fused_call(x, wi, wi_bias, wo, wo_bias, recipe, state, names, source), ln_out
+            return self._fused_call(x, wi, wi_bias, wo, wo_bias, recipe, state,
+                                    activation_functions(names, params), source), ln_out
         h = dense_general(x, wi, 1, recipe, state, wi_bias, source)    # [..., n, F]
         if self.enable_low_rank_adaptation:  # TE's: x A B * alpha / r beside the GEMM, one per block
             h = h + self._lora(x, "wi", (hidden, n), (n, F), n)
@@ -294,7 +238,7 @@ class LayerNormMLP(nn.Module):
         # benchmarks/results/2026-12-02-nvidia-h200-bwd-columns/train_step_fp8.hlo.txt.gz).
         # Both are stored in the activations' dtype instead: half the bytes written and read.
         h = _stored_backward(h) if fp8 else h
-        a = activation(h, names, act_params=self.activation_params)   # [..., F]
+        a = activation(h, names, act_params=params)   # [..., F]
         a = _stored_forward(a) if fp8 else a
         a = Dropout(rate=self.intermediate_dropout_rate,
                     broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),

@@ -1,5 +1,6 @@
-"""TransformerEngine's `transformer_engine.jax.activation`: `te.activation.activation`."""
+"""TransformerEngine's `transformer_engine.jax.activation`: `te.activation.activation`, and the
+clamped SwiGLU's parameters (TE's `ActivationParams`, `ClampedSwigluParams`)."""
 
-from flashmesh.nn.mlp import activation
+from flashmesh.nn.activations import ActivationParams, ClampedSwigluParams, activation
 
-__all__ = ["activation"]
+__all__ = ["ActivationParams", "ClampedSwigluParams", "activation"]
