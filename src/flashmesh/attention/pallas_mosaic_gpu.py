@@ -8,7 +8,8 @@ softmax, tile skipping from the band's tile ranges), or for narrow windows (a ba
 256 keys per 64 queries) `pallas_mosaic_gpu_sm90_window.forward_spec` (the band kept in shared
 memory for the group's query heads), as `pallas_mosaic_gpu_table.default_for` configures. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
 band's query tiles and the group's query heads, and a dQ kernel), under one custom VJP here;
-an lse cotangent enters as delta - d_lse.
+an lse cotangent enters as delta - d_lse. In a program over several devices each kernel call
+runs on its device's batch rows and heads (`pallas_mosaic_gpu_partition`), as cuDNN's does.
 
 Runs: band masks (causal, (left, right) windows, both diagonal alignments), any scale, GQA and
 MQA, Dqk != Dv, any T and S, logits soft cap, off-by-one and learnable sinks, dropout (the
@@ -99,14 +100,21 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     every packed self-attention call, resting on that memory gap as much as on the time), and
     whatever cuDNN refuses. Passed over: calls of the kinds cuDNN measured faster or about as
     fast on (d128 full, causal, wider windows, MLA where its version runs it), and what has not
-    been checked on a GPU yet: context-parallel steps, and q of 2^30 elements or more (only the
+    been checked on a GPU yet: context-parallel steps, programs over several devices (the
+    split over batch and heads), and q of 2^30 elements or more (only the
     forward was checked there). device_kind: jax's, for
     the tiles (default: this machine's)."""
     from flashmesh.attention import cudnn
     from flashmesh.attention import pallas_mosaic_gpu_common as common
 
+    from flashmesh.attention import pallas_mosaic_gpu_partition as partition
+
     if spec.context_step:
         return ("not yet checked on a GPU inside a context-parallel step (shard_map); name it "
+                "(implementation='pallas_mosaic_gpu') to run it there")
+    if partition.multi_device() is not None:
+        return ("a program over several devices: the kernels split over batch and heads "
+                "(pallas_mosaic_gpu_partition), which has not yet run on GPUs; name it "
                 "(implementation='pallas_mosaic_gpu') to run it there")
     if spec.q_elements >= cudnn.MAX_Q_ELEMENTS:
         return ("q of 2^30 elements or more: only the forward has been checked on the H200 at "
@@ -215,9 +223,27 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
 def _kernel(setup, q, k, v, sink, bias, dropout_hash, tables):
     """setup: (spec, forward BlockSizes or WindowBlockSizes, BackwardBlockSizes, interpret),
     static; dropout_hash and tables (segments) are integers, never differentiated."""
+    from flashmesh.attention import pallas_mosaic_gpu_partition as partition
+
     spec, fwd_blocks, _, interpret = setup
-    return forward(q, k, v, spec, fwd_blocks, sink=sink, dropout_hash=dropout_hash, tables=tables,
-                   bias=bias, interpret=interpret)
+
+    def call(local, q, k, v, sink, bias, dropout_hash, *tables):
+        return forward(q, k, v, local, fwd_blocks, sink=sink, dropout_hash=dropout_hash,
+                       tables=_tables(tables), bias=bias, interpret=interpret)
+
+    return partition.run(call, spec, (q, k, v, sink, bias, dropout_hash, *_table_list(tables)),
+                         ("q", "kv", "kv", "heads", "bias", "rows") + ("tokens",) * 4, ("q", "rows"))
+
+
+def _table_list(tables) -> tuple:
+    """The four token tables of a call as operands (None each without tables)."""
+    return (None,) * 4 if tables is None else tuple(tables)
+
+
+def _tables(arrays):
+    from flashmesh.attention import pallas_mosaic_gpu_tokens as tokens
+
+    return None if arrays[0] is None else tokens.TokenTables(*arrays)
 
 
 def forward(q, k, v, spec: AttentionSpec, blocks, *, sink=None, dropout_hash=None, tables=None,
@@ -272,10 +298,24 @@ def _kernel_bwd(setup, res, cts):
     d_out = jnp.zeros_like(out) if isinstance(d_out, SymbolicZero) else d_out
     d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
 
+    def call(local, q, k, v, out, lse, d_out, sink, d_lse, dropout_hash, bias, *tables):
+        grads = bwd.backward_spec(q, k, v, out, lse, d_out, local, sink=sink, d_lse=d_lse,
+                                  dropout_hash=dropout_hash, tables=_tables(tables), bias=bias,
+                                  block_sizes=bwd_blocks, interpret=interpret)
+        return tuple(g for g in grads if g is not None)
+
     def kernels(q, k, v, out, lse, d_out, sink, d_lse, dropout_hash, tables, bias):
-        return bwd.backward_spec(q, k, v, out, lse, d_out, spec, sink=sink, d_lse=d_lse,
-                                 dropout_hash=dropout_hash, tables=tables, bias=bias,
-                                 block_sizes=bwd_blocks, interpret=interpret)
+        from flashmesh.attention import pallas_mosaic_gpu_partition as partition
+
+        out_roles = ("q", "kv", "kv") + (("heads",) if sink is not None else ()) + (
+            ("bias",) if bias is not None else ())
+        grads = iter(partition.run(
+            call, spec, (q, k, v, out, lse, d_out, sink, d_lse, dropout_hash, bias, *_table_list(tables)),
+            ("q", "kv", "kv", "q", "rows", "q", "heads", "rows", "rows", "bias") + ("tokens",) * 4,
+            out_roles))
+        dq, dk, dv = next(grads), next(grads), next(grads)
+        return (dq, dk, dv, next(grads) if sink is not None else None,
+                next(grads) if bias is not None else None)
 
     dq, dk, dv, dsink, dbias = _first_order_only(kernels)(
         q, k, v, out, lse, d_out.astype(q.dtype), sink, d_lse, dropout_hash, tables, bias)

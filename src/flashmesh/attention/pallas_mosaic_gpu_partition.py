@@ -1,0 +1,212 @@
+"""The Mosaic GPU kernels in a program over several devices: split over batch and heads.
+
+A Pallas call is opaque to XLA's SPMD partitioner, which would gather its operands and run the
+whole call on every device. Here each kernel call (the forward, the backward's kernels) runs on
+the shards of the batch and head axes instead, as cuDNN's call does in JAX: on a mesh of
+Explicit axes by `jax.shard_map` over the axes q's type names, elsewhere (Auto axes, shardings
+chosen by the partitioner) by `custom_partitioning`, whose rule takes q's batch and head
+sharding and lays every other operand out to match. Sequence and head-dimension shardings are
+gathered (context parallelism is `flashmesh.parallel`'s). Heads split only where the key/value
+heads split evenly with them (GQA groups stay whole); else only the batch.
+
+Every operand has a role naming its layout (`ROLES`). Results summed over batch or heads (the
+sink's gradient; a bias gradient broadcast over them) are summed over those shards. Dropout
+draws the same elements: its row hashes [B, N, T] are computed from global numbers before the
+split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flashmesh.attention.spec import AttentionSpec
+
+__all__ = ["ROLES", "multi_device", "run", "splits"]
+
+# role -> which dims are batch (b) and heads (h, or hk for key/value heads); others never split
+ROLES = {
+    "q": ("b", None, "h", None),      # q, out, d_out, dq: [B, T, N, D]
+    "kv": ("b", None, "hk", None),    # k, v, dk, dv: [B, S, K, D]
+    "rows": ("b", "h", None),         # lse, d_lse, dropout row hashes: [B, N, T]
+    "heads": ("h",),                  # sink, dsink: [N]
+    "tokens": ("b", None),            # segment / position tables: [B, T] or [B, S]
+    "bias": ("b", "h", None, None),   # bias, dbias: [B|1, N|1, T, S]
+}
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _size(mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def splits(spec: AttentionSpec, mesh, q_spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(batch mesh axes, head mesh axes) the call runs split over, from q's PartitionSpec: its
+    batch and head entries where they divide B and both N and K."""
+    q_spec = tuple(q_spec) + (None,) * 4
+    b, h = _axes(q_spec[0]), _axes(q_spec[2])
+    if b and spec.batch % _size(mesh, b):
+        b = ()
+    if h and (spec.num_heads % _size(mesh, h) or spec.num_kv_heads % _size(mesh, h)):
+        h = ()
+    return b, h
+
+
+def _entry(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _spec(role: str, shape, b, h) -> PartitionSpec:
+    """Where an operand of this role and shape lies when the call splits over b and h."""
+    dims = []
+    for kind, n in zip(ROLES[role], shape):
+        axes = b if kind == "b" else h if kind in ("h", "hk") else ()
+        dims.append(_entry(axes) if n > 1 or role != "bias" else None)
+    return PartitionSpec(*dims)
+
+
+def _local(spec: AttentionSpec, mesh, b, h) -> AttentionSpec:
+    """The spec of one shard's call."""
+    nb, nh = _size(mesh, b), _size(mesh, h)
+    bias = spec.bias_shape
+    if bias is not None:
+        bias = (bias[0] // nb if bias[0] > 1 else 1, bias[1] // nh if bias[1] > 1 else 1, *bias[2:])
+    return dataclasses.replace(spec, batch=spec.batch // nb, num_heads=spec.num_heads // nh,
+                               num_kv_heads=spec.num_kv_heads // nh, bias_shape=bias)
+
+
+def _summed(outs, out_roles, b, h):
+    """Sum the shards' partial results: the sink's gradient over the batch, a bias gradient over
+    the batch or heads it is broadcast along."""
+    done = []
+    for x, role in zip(outs, out_roles):
+        axes = ()
+        if role == "heads":
+            axes = b
+        elif role == "bias":
+            axes = (b if x.shape[0] == 1 else ()) + (h if x.shape[1] == 1 else ())
+        done.append(lax.psum(x, axes) if axes else x)
+    return tuple(done)
+
+
+def multi_device() -> str | None:
+    """'explicit' under a mesh of Explicit axes, 'auto' in a program that may span devices
+    (several devices, or an Auto mesh set), None on one device or inside shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.manual_axes:
+        return None
+    if not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return "explicit"
+    if not mesh.empty and mesh.size > 1:
+        return "auto"
+    return "auto" if jax.default_backend() == "gpu" and jax.device_count() > 1 else None
+
+
+def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles):
+    """fn(spec, *arrays) -> tuple of arrays, split over the batch and head shards of a
+    multi-device program (the module docstring); fn itself on one device. arrays[0] is q (or
+    an array laid out like it); None entries (absent optional operands) stay None."""
+    present = tuple(i for i, a in enumerate(arrays) if a is not None)
+    if len(out_roles) == 0 or multi_device() is None:
+        return fn(spec, *arrays)
+    if in_roles[0] != "q" or 0 not in present:
+        raise ValueError("the first operand must be q (role 'q')")
+    roles = tuple(in_roles[i] for i in present)
+    call = functools.partial(_call_present, fn, present, len(arrays))
+
+    given = [arrays[i] for i in present]
+    if multi_device() == "explicit":
+        return _shard_map(call, spec, given, roles, tuple(out_roles))
+    return _partitioned(call, roles, tuple(out_roles))(*given, spec)
+
+
+def _call_present(fn, present, n, local, *given):
+    """fn(local, *arrays) with the given arrays at the positions `present`, None elsewhere."""
+    full = [None] * n
+    for i, x in zip(present, given):
+        full[i] = x
+    return tuple(fn(local, *full))
+
+
+def _shard_map(call, spec, given, roles, out_roles):
+    q_type = jax.typeof(given[0])
+    mesh = q_type.sharding.mesh
+    b, h = splits(spec, mesh, q_type.sharding.spec)
+    local = _local(spec, mesh, b, h)
+    in_specs = tuple(_spec(r, x.shape, b, h) for r, x in zip(roles, given))
+    # a result's layout is its role's; a bias gradient has the bias's shape
+    bias_shape = next((x.shape for r, x in zip(roles, given) if r == "bias"), None)
+    out_specs = tuple(_spec(r, bias_shape if r == "bias" else (2,) * len(ROLES[r]), b, h)
+                      for r in out_roles)
+    given = [jax.sharding.reshard(x, s) for x, s in zip(given, in_specs)]
+    body = lambda *xs: _summed(call(local, *xs), out_roles, b, h)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(b) | set(h), check_vma=False)(*given)
+
+
+def _partitioned(call, roles, out_roles):
+    """`call` as a custom_partitioning over the operands' roles (spec static, last)."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    n = len(roles)
+    # under jit, the constants the call makes stay inside it (custom_partitioning takes none)
+    jitted = jax.jit(call, static_argnums=0)
+    cp = custom_partitioning(lambda *args: jitted(args[n], *args[:n]), static_argnums=(n,))
+
+    def plan(spec, mesh, arg_shapes):
+        sharding = arg_shapes[0].sharding
+        q_spec = sharding.spec if isinstance(sharding, NamedSharding) else ()
+        return splits(spec, mesh, q_spec)
+
+    def shardings(mesh, shapes, role_list, b, h):
+        return tuple(NamedSharding(mesh, _spec(r, s.shape, b, h)) for r, s in zip(role_list, shapes))
+
+    def infer(spec, mesh, arg_shapes, result_shape):
+        b, h = plan(spec, mesh, arg_shapes)
+        return shardings(mesh, result_shape, out_roles, b, h)
+
+    def partition(spec, mesh, arg_shapes, result_shape):
+        b, h = plan(spec, mesh, arg_shapes)
+        local = _local(spec, mesh, b, h)
+
+        def lower(*xs):
+            return _summed(jitted(local, *xs), out_roles, b, h)
+
+        return (mesh, lower, shardings(mesh, result_shape, out_roles, b, h),
+                shardings(mesh, arg_shapes, roles, b, h))
+
+    def rule(spec, mesh, value_types, result_types):
+        return _rule(roles, out_roles, value_types, result_types)
+
+    cp.def_partition(infer_sharding_from_operands=infer, partition=partition, sharding_rule=rule)
+    return cp
+
+
+def _rule(roles, out_roles, value_types, result_types) -> str:
+    """Shardy's rule: the batch, head and key/value-head dims share factors b, h, k (bias dims
+    of size 1 and every other dim get factors of their own)."""
+    counter = iter(range(10_000))
+
+    def factors(role, shape):
+        names = []
+        for kind, size in zip(ROLES[role], shape):
+            if kind is None or (role == "bias" and size == 1):
+                names.append(f"u{next(counter)}")
+            else:
+                names.append({"b": "b", "h": "h", "hk": "k"}[kind])
+        return " ".join(names)
+
+    ins = ", ".join(factors(r, v.shape) for r, v in zip(roles, value_types))
+    outs = ", ".join(factors(r, v.shape) for r, v in zip(out_roles, result_types))
+    return f"{ins} -> {outs}"

@@ -1,0 +1,135 @@
+"""The Mosaic GPU kernels in a program over several (fake CPU) devices, in the interpreter: the
+call splits over batch and heads (custom_partitioning on an Auto mesh, shard_map on an Explicit
+one) and equals the one-device call, forward and gradients, with GQA, a learnable sink, a
+broadcast bias, dropout and packed segments."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flashmesh.attention import pallas_mosaic_gpu
+from flashmesh.attention import pallas_mosaic_gpu_partition as partition
+from flashmesh.attention import pallas_mosaic_gpu_sm90_bwd as bwd
+from flashmesh.attention.api import normalize
+from flashmesh.attention.pallas_mosaic_gpu_common import BlockSizes
+from flashmesh.attention.sequence import SequenceDescriptor
+
+B, T, N, K, D = 4, 64, 4, 2, 64
+FWD = BlockSizes(block_q=64, block_kv=64, num_stages=2, num_compute_wgs=1)
+BACK = bwd.BackwardBlockSizes(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, num_stages=2,
+                              num_compute_wgs=1)
+
+
+def _mesh(kind):
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-6))
+
+
+def test_splits_follow_q_and_keep_gqa_groups_whole():
+    mesh = _mesh("Auto")
+    spec = normalize(*(jnp.zeros((B, T, n, D), jnp.bfloat16) for n in (N, K, K)))[1]
+    assert partition.splits(spec, mesh, P("data", None, "model")) == (("data",), ("model",))
+    mqa = dataclasses.replace(spec, num_kv_heads=1)
+    assert partition.splits(mqa, mesh, P("data", None, "model")) == (("data",), ())
+    odd = dataclasses.replace(spec, batch=3)
+    assert partition.splits(odd, mesh, P(("data", "model"))) == ((), ())
+    assert partition._spec("bias", (1, N, T, T), ("data",), ("model",)) == P(None, "model", None, None)
+    assert partition._rule(("q", "kv", "bias"), ("q", "rows"),
+                           [jax.ShapeDtypeStruct(s, jnp.float32) for s in
+                            ((B, T, N, D), (B, T, K, D), (1, N, T, T))],
+                           [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((B, T, N, D), (B, N, T))]) \
+        == "b u0 h u1, b u2 k u3, u4 h u5 u6 -> b u7 h u8, b h u9"
+
+
+def _reference_calls():
+    """Stand-ins for the kernel calls with the same operands, roles and results: the reference's
+    forward (out, lse) and its VJP (dq, dk, dv, dsink, dbias), on the spec they are given (the
+    Mosaic GPU interpreter cannot run on several devices at once)."""
+    from flashmesh.attention import reference
+    from flashmesh.attention.spec import AttentionInputs
+
+    def inputs(q, k, v, sink, bias, tables):
+        return AttentionInputs(q=q, k=k, v=v, sink=sink, bias=bias, q_segment_ids=tables[0],
+                               kv_segment_ids=tables[1], q_positions=tables[2], kv_positions=tables[3])
+
+    def forward(local, q, k, v, sink, bias, hash_, *tables):
+        return reference.attention(inputs(q, k, v, sink, bias, tables), local)
+
+    def backward(local, q, k, v, out, lse, d_out, sink, d_lse, hash_, bias, *tables):
+        f = lambda q, k, v, sink, bias: reference.attention(inputs(q, k, v, sink, bias, tables), local)
+        _, pull = jax.vjp(f, q, k, v, sink, bias)
+        return pull((d_out, d_lse))
+
+    return forward, backward
+
+
+FWD_ROLES = ("q", "kv", "kv", "heads", "bias", "rows") + ("tokens",) * 4
+BWD_ROLES = ("q", "kv", "kv", "q", "rows", "q", "heads", "rows", "rows", "bias") + ("tokens",) * 4
+
+
+@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+def test_split_calls_equal_one_device(kind):
+    """`partition.run` as the kernels' calls use it, on a (data, model) mesh: the forward and the
+    backward (the sink's gradient and a bias broadcast over the batch summed over the shards)
+    equal the unsplit calls; GQA, a learnable sink, packed segments with positions."""
+    keys = jax.random.split(jax.random.key(0), 8)
+    normal = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32)
+    q, k, v = normal(0, (B, T, N, D)), normal(1, (B, T, K, D)), normal(2, (B, T, K, D))
+    bias, sink = normal(3, (1, N, T, T)), normal(4, (N,))
+    segments = jnp.asarray([[1] * 40 + [2] * 24, [1] * 64, [1] * 10 + [2] * 30 + [0] * 24,
+                            [3] * 64], jnp.int32)
+    positions = jnp.tile(jnp.arange(T, dtype=jnp.int32)[None], (B, 1))
+    tables = (segments, segments, positions, positions)
+    inputs, spec = normalize(q, k, v, bias=bias, mask="causal", softmax="learnable", sink=sink,
+                             segments=SequenceDescriptor.from_segment_ids_and_pos(segments, positions))
+    forward, backward = _reference_calls()
+    out, lse = forward(spec, q, k, v, sink, bias, None, *tables)
+    d_out, d_lse = normal(5, out.shape), normal(6, lse.shape)
+    bwd_args = (q, k, v, out, lse, d_out, sink, d_lse, None, bias, *tables)
+    want = (out, lse) + tuple(backward(spec, *bwd_args))
+
+    def both(*args):
+        fwd = partition.run(forward, spec, (*args[:5], None, *args[5:]), FWD_ROLES, ("q", "rows"))
+        q, k, v, sink, bias, *tabs = args
+        grads = partition.run(backward, spec, (q, k, v, *fwd, d_out, sink, d_lse, None, bias, *tabs),
+                              BWD_ROLES, ("q", "kv", "kv", "heads", "bias"))
+        return (*fwd, *grads)
+
+    mesh = _mesh(kind)
+    specs = (P("data", None, "model"),) * 3 + (P("model"), P(None, "model")) + (P("data"),) * 4
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
+                  zip((q, k, v, sink, bias, *tables), specs)]
+        got = jax.jit(both)(*placed)
+        hlo = jax.jit(both).lower(*placed).compile().as_text()
+    assert "all-gather" not in hlo  # each device ran its own batch rows and heads
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink", "dbias"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=name)
+    if kind == "Explicit":
+        assert tuple(jax.typeof(got[0]).sharding.spec)[:3] == ("data", None, "model")
+        assert jax.typeof(got[5]).sharding.spec == P("model")  # summed over the batch shards
+
+
+def test_one_device_calls_run_directly():
+    calls = []
+    assert partition.run(lambda spec, x: calls.append(spec) or (x,), "spec", (jnp.ones(2),), ("q",), ("q",))
+    assert calls == ["spec"]
+
+
+def test_automatic_choice_waits_for_a_gpu_check_on_several_devices():
+    q = jnp.zeros((B, T, N, D), jnp.bfloat16)
+    spec = normalize(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(0))[1]
+    assert pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200") is None
+    for kind in ("Auto", "Explicit"):
+        with jax.set_mesh(_mesh(kind)):
+            reason = pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200")
+        assert "several devices" in reason and "not yet run on GPUs" in reason
