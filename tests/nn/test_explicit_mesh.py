@@ -38,29 +38,36 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8"])
 @pytest.mark.parametrize("case", CASES)
-def test_dense_general_on_explicit_axes_equals_one_device(case):
+def test_dense_general_on_explicit_axes_equals_one_device(case, fp8):
     x_shape, x_spec, k_shape, k_spec, b_spec, n_contract = CASES[case]
     x, kernel, bias = _normal(x_shape, 0), _normal(k_shape, 1), _normal(k_shape[n_contract:], 2)
     dy = _normal(x_shape[:len(x_shape) - n_contract] + k_shape[n_contract:], 3)
+    recipe = te.recipe.DelayedScaling(amax_history_len=4) if fp8 else None
+    state = {q: (jnp.full((1,), 4.0), jnp.zeros(4)) for q in ("x", "kernel", "grad")} if fp8 else None
+
+    def dense(x, kernel, bias):
+        return dense_general(x, kernel, n_contract, recipe, state, bias=bias)
 
     def loss(x, kernel, bias):
-        return jnp.sum(dense_general(x, kernel, n_contract, bias=bias) * dy)
+        return jnp.sum(dense(x, kernel, bias) * dy)
 
     one = jax.grad(loss, argnums=(0, 1, 2))(x, kernel, bias)
-    y_one = dense_general(x, kernel, n_contract, bias=bias)
+    y_one = dense(x, kernel, bias)
     mesh = _mesh()
     with jax.set_mesh(mesh):
         args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
                 ((x, x_spec), (kernel, k_spec), (bias, b_spec))]
         assert Layout.of(args[0], args[1], n_contract).mesh is not None
-        y = jax.jit(dense_general, static_argnums=2)(args[0], args[1], n_contract, bias=args[2])
+        y = jax.jit(dense)(*args)
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
     assert tuple(jax.typeof(y).sharding.spec)[:1] == tuple(x_spec)[:1]  # rows stay where x's were
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_one), rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=1e-5, atol=1e-5) if not fp8 else dict(rtol=1e-5, atol=1e-4)  # summation order
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_one), **tol)
     for g, g_one, a in zip(grads, one, args):
         assert jax.typeof(g).sharding.spec == jax.typeof(a).sharding.spec
-        np.testing.assert_allclose(np.asarray(g), np.asarray(g_one), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_one), **tol)
 
 
 def test_untyped_layout_is_the_plain_flatten():

@@ -59,7 +59,8 @@ def _shardings(x_like, kernel_like, x_transposed: bool = False) -> dict:
     (Explicit axes), else None each. Each GEMM contracts an axis that may be sharded (a
     row-parallel kernel's K, a column-parallel one's N, the data axis M of the wgrad), and JAX
     does not guess where the sum goes: y takes x's rows and the kernel's columns, dx x's
-    sharding, dw the kernel's (replicated over the activations' mesh if only they are typed).
+    sharding, dw the kernel's (replicated over the activations' mesh if only they are typed); a
+    mesh axis both x's rows and the kernel's columns use stays with the rows.
     x_like may be x or x saved transposed (x_transposed); kernel_like the kernel or kq."""
     def spec(a, transposed=False):
         if not layouts.typed_sharding(a):
@@ -72,9 +73,17 @@ def _shardings(x_like, kernel_like, x_transposed: bool = False) -> dict:
         return dict(y=None, dx=None, dw=None)
     mesh = jax.typeof(x_like if typed_x else kernel_like).sharding.mesh
     xs, ks = spec(x_like, x_transposed), spec(kernel_like)
-    return dict(y=jax.sharding.NamedSharding(mesh, jax.P(xs[0], ks[1])),
+    return dict(y=jax.sharding.NamedSharding(mesh, jax.P(xs[0], _without(ks[1], xs[0]))),
                 dx=jax.sharding.NamedSharding(mesh, jax.P(*xs)) if typed_x else None,
                 dw=jax.typeof(kernel_like).sharding if typed_k else jax.sharding.NamedSharding(mesh, jax.P()))
+
+
+def _without(entry, other):
+    """PartitionSpec entry `entry` less the mesh axes `other` uses (one axis shards one dim)."""
+    def axes(e):
+        return () if e is None else (e,) if isinstance(e, str) else tuple(e)
+    kept = tuple(a for a in axes(entry) if a not in axes(other))
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def quantized_pair(t, state, name, fp8_max, dtype, recipe, source=None):
