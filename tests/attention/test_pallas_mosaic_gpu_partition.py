@@ -133,3 +133,4 @@ def test_automatic_choice_waits_for_a_gpu_check_on_several_devices():
         with jax.set_mesh(_mesh(kind)):
             reason = pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200")
         assert "several devices" in reason and "not yet run on GPUs" in reason
+    assert partition.multi_device() is None  # no mesh set: one device's program

@@ -8,7 +8,7 @@ softmax, tile skipping from the band's tile ranges), or for narrow windows (a ba
 256 keys per 64 queries) `pallas_mosaic_gpu_sm90_window.forward_spec` (the band kept in shared
 memory for the group's query heads), as `pallas_mosaic_gpu_table.default_for` configures. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
 band's query tiles and the group's query heads, and a dQ kernel), under one custom VJP here;
-an lse cotangent enters as delta - d_lse. In a program over several devices each kernel call
+an lse cotangent enters as delta - d_lse. Under a mesh over several devices each kernel call
 runs on its device's batch rows and heads (`pallas_mosaic_gpu_partition`), as cuDNN's does.
 
 Runs: band masks (causal, (left, right) windows, both diagonal alignments), any scale, GQA and
@@ -113,7 +113,7 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
         return ("not yet checked on a GPU inside a context-parallel step (shard_map); name it "
                 "(implementation='pallas_mosaic_gpu') to run it there")
     if partition.multi_device() is not None:
-        return ("a program over several devices: the kernels split over batch and heads "
+        return ("a mesh over several devices: the kernels split over batch and heads "
                 "(pallas_mosaic_gpu_partition), which has not yet run on GPUs; name it "
                 "(implementation='pallas_mosaic_gpu') to run it there")
     if spec.q_elements >= cudnn.MAX_Q_ELEMENTS:

@@ -1,11 +1,11 @@
 """The Mosaic GPU kernels in a program over several devices: split over batch and heads.
 
-A Pallas call is opaque to XLA's SPMD partitioner, which would gather its operands and run the
-whole call on every device. Here each kernel call (the forward, the backward's kernels) runs on
-the shards of the batch and head axes instead, as cuDNN's call does in JAX: on a mesh of
-Explicit axes by `jax.shard_map` over the axes q's type names, elsewhere (Auto axes, shardings
-chosen by the partitioner) by `custom_partitioning`, whose rule takes q's batch and head
-sharding and lays every other operand out to match. Sequence and head-dimension shardings are
+XLA's SPMD partitioner cannot split a Pallas call: it runs the whole call on every device. Under
+a mesh set for the program (`jax.set_mesh`, `with mesh:`) each kernel call (the forward, the
+backward's kernels) runs on the shards of the batch and head axes instead, as cuDNN's call does
+in JAX: on a mesh of Explicit axes by `jax.shard_map` over the axes q's type names, on Auto axes
+(shardings chosen by the partitioner) by `custom_partitioning`, whose rule takes q's batch and
+head sharding and lays every other operand out to match. Sequence and head-dimension shardings are
 gathered (context parallelism is `flashmesh.parallel`'s). Heads split only where the key/value
 heads split evenly with them (GQA groups stay whole); else only the batch.
 
@@ -101,16 +101,20 @@ def _summed(outs, out_roles, b, h):
 
 
 def multi_device() -> str | None:
-    """'explicit' under a mesh of Explicit axes, 'auto' in a program that may span devices
-    (several devices, or an Auto mesh set), None on one device or inside shard_map."""
+    """'explicit' under a mesh of Explicit axes, 'auto' under a mesh of Auto axes over several
+    devices (`jax.set_mesh`, or a legacy `with mesh:` block), None without one or inside
+    shard_map. A program sharded with no mesh set runs the kernels whole on every device."""
+    from jax._src import mesh as mesh_lib
+
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.manual_axes:
         return None
     if not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         return "explicit"
-    if not mesh.empty and mesh.size > 1:
+    legacy = mesh_lib.thread_resources.env.physical_mesh
+    if (not mesh.empty and mesh.size > 1) or (legacy is not None and legacy.size > 1):
         return "auto"
-    return "auto" if jax.default_backend() == "gpu" and jax.device_count() > 1 else None
+    return None
 
 
 def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles):
