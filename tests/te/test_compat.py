@@ -125,6 +125,13 @@ def test_sequence_descriptor_is_flashmesh_s():
     assert te.attention.SequenceDescriptor is flashmesh.SequenceDescriptor
     for ctor in ("from_seqlens", "from_seqlens_and_offsets", "from_segment_ids_and_pos"):
         assert hasattr(SequenceDescriptor, ctor)
+    # TE's keyword names
+    lens, offs = jnp.asarray([[3, 2]]), jnp.asarray([[0, 3, 5]])
+    packed = SequenceDescriptor.from_seqlens_and_offsets(seqlens=lens, seq_offsets=offs)
+    assert packed.kind == "seqlens_offsets" and packed.q_offsets.shape == (1, 2)
+    ids = jnp.asarray([[1, 1, 1, 2, 2]])
+    assert SequenceDescriptor.from_segment_ids_and_pos(
+        segment_ids=ids, segment_pos=jnp.asarray([[0, 1, 2, 0, 1]])).kind == "segment_ids"
 
 
 # -- layouts ----------------------------------------------------------------------------------

@@ -117,9 +117,11 @@ class SequenceDescriptor:
         return cls(q_seqlens=q, kv_seqlens=kv, kind="seqlens", max_segments=1)
 
     @classmethod
-    def from_seqlens_and_offsets(cls, seqlens, offsets) -> "SequenceDescriptor":
+    def from_seqlens_and_offsets(cls, seqlens, seq_offsets) -> "SequenceDescriptor":
+        """Packed rows: seqlens [B, M] and seq_offsets [B, M] or [B, M+1] (TE's names; each one
+        array or a (q, kv) pair)."""
         q_len, kv_len = _pair(seqlens, "seqlens")
-        q_off, kv_off = _pair(offsets, "offsets")
+        q_off, kv_off = _pair(seq_offsets, "seq_offsets")
         _same_batch("seqlens", q_len, kv_len)
         _same_batch("offsets", q_off, kv_off)
         for name, lens, off in (("q", q_len, q_off), ("kv", kv_len, kv_off)):
