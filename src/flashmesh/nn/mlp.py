@@ -1,5 +1,5 @@
-"""The `LayerNormMLP` module (TransformerEngine's fields and parameter names); its activations,
-and TE's `activation` function, are `flashmesh.nn.activations`'.
+"""The `LayerNormMLP` module (TransformerEngine's fields and parameter names). Its activations
+and TE's `activation` function live in `flashmesh.nn.activations`.
 
     LayerNormMLP(x) = dropout(act(layernorm(x) @ wi + wi_bias)) @ wo + wo_bias
 
