@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
+from flashmesh.attention import pallas_mosaic_gpu_partition as partition
 from flashmesh.attention.spec import AttentionInputs, AttentionSpec
 
 MAX_HEAD_DIM = 256  # WGMMA N of the O and dK / dV accumulators (d256 takes the split dK/dV passes)
@@ -106,8 +107,6 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     the tiles (default: this machine's)."""
     from flashmesh.attention import cudnn
     from flashmesh.attention import pallas_mosaic_gpu_common as common
-
-    from flashmesh.attention import pallas_mosaic_gpu_partition as partition
 
     if spec.context_step:
         return ("not yet checked on a GPU inside a context-parallel step (shard_map); name it "
@@ -223,8 +222,6 @@ def describe(spec: AttentionSpec, device_kind: str | None = None) -> str:
 def _kernel(setup, q, k, v, sink, bias, dropout_hash, tables):
     """setup: (spec, forward BlockSizes or WindowBlockSizes, BackwardBlockSizes, interpret),
     static; dropout_hash and tables (segments) are integers, never differentiated."""
-    from flashmesh.attention import pallas_mosaic_gpu_partition as partition
-
     spec, fwd_blocks, _, interpret = setup
 
     def call(local, q, k, v, sink, bias, dropout_hash, *tables):
@@ -305,8 +302,6 @@ def _kernel_bwd(setup, res, cts):
         return tuple(g for g in grads if g is not None)
 
     def kernels(q, k, v, out, lse, d_out, sink, d_lse, dropout_hash, tables, bias):
-        from flashmesh.attention import pallas_mosaic_gpu_partition as partition
-
         out_roles = ("q", "kv", "kv") + (("heads",) if sink is not None else ()) + (
             ("bias",) if bias is not None else ())
         grads = iter(partition.run(
