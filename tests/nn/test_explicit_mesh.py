@@ -26,22 +26,30 @@ def _normal(shape, seed):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
-# (x spec, kernel spec, bias spec, n_contract): data-parallel rows with a column-parallel fused
-# QKV kernel [E, 3, F@model] (the sharded axis last: not mergeable as it lies), a row-parallel
-# kernel over heads [H@model, D, E], sequence-parallel rows [B, T@model] (sharded minor lead
-# axis) and a kernel whose output axis uses the rows' mesh axis.
+# (x shape, x spec, kernel shape, kernel spec, bias spec, n_contract, y spec): data-parallel rows
+# with a column-parallel fused QKV kernel [E, 3, F@model] (the sharded axis last: merged through
+# [E, F, 3]), a row-parallel kernel over heads [H@model, D, E] (the output summed over model),
+# sequence-parallel rows [B, T@model] (a sharded minor lead axis) into a replicated kernel, the
+# same rows into a column-parallel kernel (the columns keep model, the rows are gathered: TE's
+# sequence parallelism), an FSDP kernel sharded along K over the rows' axis (gathered), and on a
+# three-axis mesh x and the kernel sharded differently along K (the kernel takes x's).
 CASES = {
-    "qkv": ((4, 6, 8), P("data"), (8, 3, 4), P(None, None, "model"), P(None, "model"), 1),
-    "row": ((4, 6, 2, 4), P("data", None, "model"), (2, 4, 8), P("model"), P(), 2),
-    "seq": ((2, 4, 8), P(None, "model"), (8, 6), P(), P(), 1),
-    "clash": ((4, 6, 8), P("data"), (8, 4), P(None, "data"), P("data"), 1),
+    "qkv": ((4, 6, 8), P("data"), (8, 3, 4), P(None, None, "model"), P(None, "model"), 1,
+            P("data", None, None, "model")),
+    "row": ((4, 6, 2, 4), P("data", None, "model"), (2, 4, 8), P("model"), P(), 2, P("data", None, None)),
+    "seq": ((2, 4, 8), P(None, "model"), (8, 6), P(), P(), 1, P(None, "model", None)),
+    "seq_column": ((2, 4, 8), P("data", "model"), (8, 6), P(None, "model"), P("model"), 1,
+                   P("data", None, "model")),
+    "fsdp": ((4, 6, 8), P("data"), (8, 4), P("data", "model"), P("model"), 1, P("data", None, "model")),
+    "three_axes": ((2, 2, 4), P("b", None, "c"), (2, 4, 2, 1), P("a", "c", "b", None), P("a", None), 2,
+                   P(None, "b", None)),
 }
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8"])
 @pytest.mark.parametrize("case", CASES)
 def test_dense_general_on_explicit_axes_equals_one_device(case, fp8):
-    x_shape, x_spec, k_shape, k_spec, b_spec, n_contract = CASES[case]
+    x_shape, x_spec, k_shape, k_spec, b_spec, n_contract, y_spec = CASES[case]
     x, kernel, bias = _normal(x_shape, 0), _normal(k_shape, 1), _normal(k_shape[n_contract:], 2)
     dy = _normal(x_shape[:len(x_shape) - n_contract] + k_shape[n_contract:], 3)
     recipe = te.recipe.DelayedScaling(amax_history_len=4) if fp8 else None
@@ -55,14 +63,16 @@ def test_dense_general_on_explicit_axes_equals_one_device(case, fp8):
 
     one = jax.grad(loss, argnums=(0, 1, 2))(x, kernel, bias)
     y_one = dense(x, kernel, bias)
-    mesh = _mesh()
+    mesh = (jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Explicit,) * 3)
+            if case == "three_axes" else _mesh())
     with jax.set_mesh(mesh):
         args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
                 ((x, x_spec), (kernel, k_spec), (bias, b_spec))]
         assert Layout.of(args[0], args[1], n_contract).mesh is not None
         y = jax.jit(dense)(*args)
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
-    assert tuple(jax.typeof(y).sharding.spec)[:1] == tuple(x_spec)[:1]  # rows stay where x's were
+    got = tuple(jax.typeof(y).sharding.spec)
+    assert got + (None,) * (y.ndim - len(got)) == tuple(y_spec), got
     tol = dict(rtol=1e-5, atol=1e-5) if not fp8 else dict(rtol=1e-5, atol=1e-4)  # summation order
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_one), **tol)
     for g, g_one, a in zip(grads, one, args):
@@ -77,11 +87,14 @@ def test_untyped_layout_is_the_plain_flatten():
     assert layout.x2(x).shape == (6, 4) and layout.k2(kernel).shape == (4, 10)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8"])
-def test_transformer_layer_on_explicit_axes_equals_one_device(fp8):
+@pytest.mark.parametrize("fp8, x_spec", [(False, P("data")), (True, P("data")),
+                                         (False, P("data", "model"))],
+                         ids=["float32", "fp8", "float32_sequence_parallel"])
+def test_transformer_layer_on_explicit_axes_equals_one_device(fp8, x_spec):
     """TE's multi-GPU recipe (logical axes -> extend_logical_axis_rules -> shardings) on an
-    Explicit (data, model) mesh: fused QKV and gated MLP kernels split over 'model', GQA;
-    the output and every gradient equal the one-device layer's."""
+    Explicit (data, model) mesh: fused QKV and gated MLP kernels split over 'model', GQA, and
+    the input's sequence split over 'model' too (gathered before the QKV GEMM); the output and
+    every gradient equal the one-device layer's."""
     layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4,
                                      num_gqa_groups=2, mlp_activations=("gelu", "linear"),
                                      use_bias=True, enable_relative_embedding=False,
@@ -100,7 +113,7 @@ def test_transformer_layer_on_explicit_axes_equals_one_device(fp8):
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh,
                                                 te_flax.extend_logical_axis_rules(()))
         variables = jax.jit(init, out_shardings=shardings)(jax.random.key(0), x)
-        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        xs = jax.device_put(x, NamedSharding(mesh, x_spec))
         out = jax.jit(lambda v, a: layer.apply(v, a, deterministic=True))(variables, xs)
         grads = nn.unbox(jax.jit(jax.grad(loss))(variables, xs))
     assert variables["params"]["attention"]["kv"]["kernel"].value.sharding.spec == P(None, None, "model")

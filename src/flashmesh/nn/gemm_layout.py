@@ -2,14 +2,25 @@
 
 Without shardings in the types this is a plain flatten: x [lead..., K...] -> [M, K], kernel
 [K..., N...] -> [K, N], y [M, N] -> [lead..., N...]. On a mesh with Explicit axes JAX checks
-every reshape and contraction: merging axes is allowed only where the sharded ones come first
-(a fused QKV kernel [E, 3, F@model] cannot become [E, 3F]), and a GEMM that contracts a
-sharded axis (a row-parallel kernel) must be told where its output lies. `Layout.of` then
-orders each group of axes (x's leading ones, the contracted ones, the kernel's outputs) with
-the sharded axes first, gives every reshape and the GEMM its output sharding, and puts the
-axes back in order after the GEMM; the order costs a transpose only where a sharded axis is
-not already first in its group. The GEMM's output is sharded as x's rows and the kernel's
-columns, less any mesh axis both use (x's keeps it), and summed over the contracted axes'.
+every reshape and contraction, and `Layout.of` decides where each operand lies so that the GEMM
+is one the partitioner computes without guessing:
+
+* the contracted axes lie as x's do, and the kernel is resharded to match (an FSDP kernel
+  sharded along K is gathered; a row-parallel kernel already matches x's heads);
+* the kernel's columns keep their mesh axes except those x's contracted axes use;
+* x's rows keep theirs except those the columns use (sequence-parallel rows [B, T@tp] are
+  gathered before a column-parallel GEMM, as TransformerEngine's sequence parallelism does);
+* y lies as (x's rows, the kernel's columns); where the contracted axes are sharded, JAX sums
+  the partial products (the GEMM's output sharding leaves those axes out).
+
+Operands that agree this way also avoid an XLA partitioner error: with x and the kernel sharded
+differently along K (or a mesh axis on both x's rows and the kernel's columns) on a three-axis
+mesh the gradients came out wrong (a review's search of random shardings, 2026-12-07).
+
+Within each group of axes (x's leading ones, the contracted ones, the kernel's outputs) the
+sharded ones go first, so every merge into the 2-D form keeps each shard's block contiguous (no
+communication in the reshape); a transpose is the cost where a sharded axis is not already
+first (a fused QKV kernel [E, 3, F@tp]: the kernel and y pass through [.., F, 3]).
 """
 
 from __future__ import annotations
@@ -45,24 +56,29 @@ def _spec(a, ndim: int) -> tuple[tuple[str, ...], ...]:
     return tuple(_axes(e) for e in spec[:ndim])
 
 
-def _sharded_first(group: tuple[int, ...], *specs) -> tuple[int, ...]:
-    """The dimensions of `group`, those sharded in any of `specs` first, each part in order."""
-    sharded = [d for d in group if any(s[d] for s in specs)]
+def _without(specs, used) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(a for a in s if a not in used) for s in specs)
+
+
+def _sharded_first(group: tuple[int, ...], specs) -> tuple[int, ...]:
+    """The dimensions of `group`, those sharded in `specs` first, each part in order."""
+    sharded = [d for d in group if specs[d]]
     return tuple(sharded) + tuple(d for d in group if d not in sharded)
 
 
 class Layout(NamedTuple):
     """The 2-D form of one contraction (see the module docstring). mesh None: no typed sharding,
-    the plain flatten; else the orders and the mesh axes of each dimension."""
+    the plain flatten; else each operand's dimension order and mesh axes per dimension."""
 
-    lead: tuple[int, ...]        # x's leading shape
-    out: tuple[int, ...]         # the kernel's output shape
-    mesh: object = None
-    x_order: tuple[int, ...] = ()
-    k_order: tuple[int, ...] = ()
-    x_spec: tuple = ()           # mesh axes per dimension of x, in x_order
-    k_spec: tuple = ()           # ... of the kernel, in k_order
-    y_spec: tuple = ()           # ... of y [lead..., out...] in the GEMM's order
+    lead: tuple[int, ...]          # x's leading shape
+    out: tuple[int, ...]           # the kernel's output shape
+    n_contract: int
+    mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None
+    x_order: tuple[int, ...] = ()  # x's dimensions: leading ones, then contracted ones
+    k_order: tuple[int, ...] = ()  # the kernel's: contracted ones (x's order), then outputs
+    x_spec: tuple = ()             # mesh axes per dimension of x where the GEMM reads it
+    k_spec: tuple = ()             # ... of the kernel
+    y_spec: tuple = ()             # ... of y [lead..., out...] (x's and the kernel's dims)
 
     @classmethod
     def of(cls, x, kernel, n_contract: int) -> "Layout":
@@ -70,73 +86,74 @@ class Layout(NamedTuple):
         lead, out = tuple(x.shape[:lead_n]), tuple(kernel.shape[n_contract:])
         typed = [a for a in (x, kernel) if layouts.typed_sharding(a)]
         if not typed:
-            return cls(lead, out)
+            return cls(lead, out, n_contract)
         xs, ks = _spec(x, x.ndim), _spec(kernel, kernel.ndim)
-        # x's contracted dim lead_n + i is the kernel's dim i: one order for both
-        contract = _sharded_first(tuple(range(n_contract)), xs[lead_n:], ks[:n_contract])
-        x_order = _sharded_first(tuple(range(lead_n)), xs) + tuple(lead_n + i for i in contract)
-        k_order = contract + _sharded_first(tuple(range(n_contract, kernel.ndim)), ks)
-        x_spec, k_spec = tuple(xs[d] for d in x_order), tuple(ks[d] for d in k_order)
-        used = {a for s in x_spec[:lead_n] for a in s}
-        y_spec = x_spec[:lead_n] + tuple(tuple(a for a in s if a not in used)
-                                         for s in k_spec[n_contract:])
-        return cls(lead, out, jax.typeof(typed[0]).sharding.mesh, x_order, k_order, x_spec,
-                   k_spec, y_spec)
+        contracted = xs[lead_n:]
+        k_axes = {a for s in contracted for a in s}
+        columns = _without(ks[n_contract:], k_axes)
+        rows = _without(xs[:lead_n], {a for s in columns for a in s})
+        x_spec, k_spec = rows + contracted, contracted + columns
+        contract = _sharded_first(tuple(range(n_contract)), contracted)
+        x_order = _sharded_first(tuple(range(lead_n)), rows) + tuple(lead_n + i for i in contract)
+        k_order = contract + tuple(n_contract + d for d in _sharded_first(
+            tuple(range(len(out))), columns))
+        return cls(lead, out, n_contract, jax.typeof(typed[0]).sharding.mesh, x_order, k_order,
+                   x_spec, k_spec, rows + columns)
 
     def _sharding(self, specs):
         return jax.sharding.NamedSharding(self.mesh, jax.P(*(_entry(s) for s in specs)))
 
-    def _merged(self, specs, *groups):
-        """The sharding of `specs` with each group of dimensions (ranges) merged into one."""
-        return self._sharding([sum((specs[d] for d in g), ()) for g in groups])
+    def _merged(self, specs, order, split: int):
+        """The 2-D sharding of an operand whose dimensions `order` (its mesh axes `specs`) merge
+        into [first `split` of them, the rest]."""
+        return self._sharding([sum((specs[d] for d in order[:split]), ()),
+                               sum((specs[d] for d in order[split:]), ())])
+
+    def _two_d(self, a, specs, order, split: int):
+        """a resharded to `specs` (no-op where it lies so), transposed to `order`, merged."""
+        a = jax.sharding.reshard(a, self._sharding(specs))
+        shape = (math.prod(a.shape[d] for d in order[:split]), math.prod(a.shape[d] for d in order[split:]))
+        return jax.lax.reshape(jnp.transpose(a, order), shape,
+                               out_sharding=self._merged(specs, order, split))
 
     def x2(self, x):
         """x as [M, K]."""
-        k_dim = math.prod(x.shape[len(self.lead):])
         if self.mesh is None:
-            return x.reshape(-1, k_dim)
-        n = len(self.lead)
-        return jax.lax.reshape(jnp.transpose(x, self.x_order), (math.prod(self.lead), k_dim),
-                               out_sharding=self._merged(self.x_spec, range(n), range(n, x.ndim)))
+            return x.reshape(-1, math.prod(x.shape[len(self.lead):]))
+        return self._two_d(x, self.x_spec, self.x_order, len(self.lead))
 
     def k2(self, kernel):
         """The kernel as [K, N]."""
-        n_dim = math.prod(self.out)
-        k_dim = math.prod(kernel.shape[:kernel.ndim - len(self.out)])
         if self.mesh is None:
-            return kernel.reshape(k_dim, n_dim)
-        n = kernel.ndim - len(self.out)
-        return jax.lax.reshape(jnp.transpose(kernel, self.k_order), (k_dim, n_dim),
-                               out_sharding=self._merged(self.k_spec, range(n), range(n, kernel.ndim)))
+            return kernel.reshape(math.prod(kernel.shape[:self.n_contract]), math.prod(self.out))
+        return self._two_d(kernel, self.k_spec, self.k_order, self.n_contract)
+
+    def _columns(self) -> tuple[int, ...]:
+        """The kernel's output dimensions in the GEMM's column order (0-based)."""
+        return tuple(d - self.n_contract for d in self.k_order[self.n_contract:])
 
     def bias2(self, bias):
         """bias [N...] as [1, N], in the kernel's column order and sharded as y's columns."""
         if self.mesh is None:
             return bias.reshape(1, -1)
-        n = len(self.k_order) - len(self.out)
-        order = tuple(d - n for d in self.k_order[n:])
-        spec = _spec(bias, bias.ndim)
-        b2 = jax.lax.reshape(jnp.transpose(bias, order), (1, math.prod(self.out)),
-                             out_sharding=self._merged([spec[d] for d in order], (), range(len(order))))
-        # as y's columns lie (a bias sharded over the rows' mesh axis is gathered)
-        return jax.sharding.reshard(b2, self._merged(self.y_spec, (), range(len(self.lead), len(self.y_spec))))
+        columns = self.k_spec[self.n_contract:]
+        return self._two_d(bias[None], ((),) + columns, (0,) + tuple(1 + d for d in self._columns()), 1)
 
     def y2_sharding(self):
         """Where the GEMM's output [M, N] lies (None without typed sharding)."""
         if self.mesh is None:
             return None
         n = len(self.lead)
-        return self._merged(self.y_spec, range(n), range(n, len(self.y_spec)))
+        order = self.x_order[:n] + tuple(n + d for d in self._columns())
+        return self._merged(self.y_spec, order, n)
 
     def y(self, y2):
         """The GEMM's output [M, N] as [lead..., out...] in the original order."""
         if self.mesh is None:
             return y2.reshape(*self.lead, *self.out)
-        n, n_contract = len(self.lead), len(self.k_order) - len(self.out)
-        lead = tuple(self.lead[d] for d in self.x_order[:n])
-        out_dims = tuple(d - n_contract for d in self.k_order[n_contract:])
-        y = jax.lax.reshape(y2, (*lead, *(self.out[d] for d in out_dims)),
-                            out_sharding=self._sharding(self.y_spec))
-        # back to x's and the kernel's order
-        order = tuple(self.x_order[:n]) + tuple(n + d for d in out_dims)
+        n = len(self.lead)
+        order = self.x_order[:n] + tuple(n + d for d in self._columns())
+        shape = (*self.lead, *self.out)
+        y = jax.lax.reshape(y2, tuple(shape[d] for d in order),
+                            out_sharding=self._sharding([self.y_spec[d] for d in order]))
         return jnp.transpose(y, tuple(order.index(i) for i in range(len(order))))
