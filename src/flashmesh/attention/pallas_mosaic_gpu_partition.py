@@ -68,9 +68,10 @@ def _entry(axes):
 
 
 def _spec(role: str, shape, b, h) -> PartitionSpec:
-    """Where an operand of this role and shape lies when the call splits over b and h."""
+    """Where an operand of this role and shape lies when the call splits over b and h (shape
+    None: no dim of size 1, which only a bias's broadcast dims have)."""
     dims = []
-    for kind, n in zip(ROLES[role], shape):
+    for kind, n in zip(ROLES[role], shape or (2,) * len(ROLES[role])):
         axes = b if kind == "b" else h if kind in ("h", "hk") else ()
         dims.append(_entry(axes) if n > 1 or role != "bias" else None)
     return PartitionSpec(*dims)
@@ -122,7 +123,8 @@ def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles):
     multi-device program (the module docstring); fn itself on one device. arrays[0] is q (or
     an array laid out like it); None entries (absent optional operands) stay None."""
     present = tuple(i for i, a in enumerate(arrays) if a is not None)
-    if len(out_roles) == 0 or multi_device() is None:
+    kind = multi_device()
+    if len(out_roles) == 0 or kind is None:
         return fn(spec, *arrays)
     if in_roles[0] != "q" or 0 not in present:
         raise ValueError("the first operand must be q (role 'q')")
@@ -130,7 +132,7 @@ def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles):
     call = functools.partial(_call_present, fn, present, len(arrays))
 
     given = [arrays[i] for i in present]
-    if multi_device() == "explicit":
+    if kind == "explicit":
         return _shard_map(call, spec, given, roles, tuple(out_roles))
     return _partitioned(call, roles, tuple(out_roles))(*given, spec)
 
@@ -151,8 +153,7 @@ def _shard_map(call, spec, given, roles, out_roles):
     in_specs = tuple(_spec(r, x.shape, b, h) for r, x in zip(roles, given))
     # a result's layout is its role's; a bias gradient has the bias's shape
     bias_shape = next((x.shape for r, x in zip(roles, given) if r == "bias"), None)
-    out_specs = tuple(_spec(r, bias_shape if r == "bias" else (2,) * len(ROLES[r]), b, h)
-                      for r in out_roles)
+    out_specs = tuple(_spec(r, bias_shape if r == "bias" else None, b, h) for r in out_roles)
     given = [jax.sharding.reshard(x, s) for x, s in zip(given, in_specs)]
     body = lambda *xs: _summed(call(local, *xs), out_roles, b, h)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
