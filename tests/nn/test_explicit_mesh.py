@@ -125,3 +125,43 @@ def test_transformer_layer_on_explicit_axes_equals_one_device(fp8, x_spec):
     np.testing.assert_allclose(np.asarray(out), np.asarray(out_one), rtol=2e-5, atol=2e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4,
                                                          atol=2e-4), grads, grads_one)
+
+
+# (x spec, scale/bias spec): the scale sharded over the rows' axis (an FSDP scale: JAX refused
+# the product, f32[B@data, T, H] * f32[H@data]) and over an axis other than the features'.
+LN_CASES = {"fsdp_scale": (P("data", "model"), P("data")), "crossed": (P(None, None, "model"), P("data"))}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8"])
+@pytest.mark.parametrize("case", LN_CASES)
+def test_layernorm_dense_on_explicit_axes_equals_one_device(case, fp8):
+    """LayerNormDenseGeneral (LayerNorm, then the GEMM; under FP8 the GEMM quantises the
+    LayerNorm's output from its parts) with its scale and bias lying anywhere on the mesh:
+    output and every gradient equal one device's, each gradient lying as its parameter."""
+    x_spec, p_spec = LN_CASES[case]
+    module = te_flax.LayerNormDenseGeneral(features=8, use_bias=True)
+    x = _normal((4, 6, 16), 0)
+    recipe = te.recipe.DelayedScaling() if fp8 else None
+    with te.autocast(enabled=fp8, recipe=recipe):
+        variables = nn.unbox(module.init(jax.random.key(0), x))
+    variables = jax.tree.map(lambda a: a + 0.1 * _normal(a.shape, 5) if a.ndim == 1 and a.size == 16
+                             else a, variables)  # scale and bias away from ones and zeros
+
+    def loss(v, a):
+        y, _ = module.apply(v, a)
+        return jnp.sum(jnp.square(y))
+
+    with te.autocast(enabled=fp8, recipe=recipe):
+        out_one, _ = jax.jit(module.apply)(variables, x)
+        grads_one = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables, x)
+    mesh = _mesh()
+    with jax.set_mesh(mesh), te.autocast(enabled=fp8, recipe=recipe):
+        place = lambda a: jax.device_put(a, NamedSharding(mesh, p_spec if a.ndim == 1 and a.size == 16 else P()))
+        v_mesh, x_mesh = jax.tree.map(place, variables), jax.device_put(x, NamedSharding(mesh, x_spec))
+        out, _ = jax.jit(module.apply)(v_mesh, x_mesh)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(v_mesh, x_mesh)
+    ln = grads[0]["params"]
+    assert jax.typeof(ln["scale"]).sharding.spec == jax.typeof(v_mesh["params"]["scale"]).sharding.spec
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_one), rtol=2e-5, atol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4,
+                                                         atol=2e-4), grads, grads_one)

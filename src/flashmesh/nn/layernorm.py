@@ -19,7 +19,7 @@ from flax import linen as nn
 from jaxtyping import Array, Float
 
 from flashmesh.nn import partitioning
-from flashmesh.nn.layernorm_vjp import normalize, statistics
+from flashmesh.nn.layernorm_vjp import along_features, normalize, statistics
 from flashmesh.quantization.normalized import Normalization
 
 __all__ = ["layernorm", "LayerNorm", "LAYERNORM_TYPES", "layernorm_params", "expand", "input_layernorm",
@@ -109,6 +109,7 @@ def normalization(x: jax.Array, scale: jax.Array, bias: jax.Array | None, *, lay
     gamma = scale.astype(jnp.float32)
     if zero_centered_gamma:  # as `layernorm` (adding 0.0 would turn a -0.0 gamma into +0.0)
         gamma = gamma + 1.0
+    gamma, bias = along_features(gamma, x), along_features(bias, x)
     mean, rstd = statistics(x, rms=rms, epsilon=epsilon)
     H = x.shape[-1]
     return Normalization(x.reshape(-1, H), None if rms else mean.reshape(-1, 1), rstd.reshape(-1, 1),

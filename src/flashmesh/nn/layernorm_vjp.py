@@ -33,7 +33,8 @@ from jax import lax
 from flashmesh.attention.varying import summed_like
 from flashmesh.quantization import layouts
 
-__all__ = ["normalize", "statistics", "kernel_backward", "kernel_fits", "ROWS_PER_PROGRAM"]
+__all__ = ["normalize", "statistics", "kernel_backward", "kernel_fits", "along_features",
+           "ROWS_PER_PROGRAM"]
 
 ROWS_PER_PROGRAM = 32  # rows one kernel program walks (one row of partial sums each)
 NUM_WARPS = 8
@@ -57,9 +58,22 @@ def normalize(x: jax.Array, gamma: jax.Array, bias: jax.Array | None, *, rms: bo
                          f"H a power of two in [64, 16384], rows a multiple of {ROWS_PER_PROGRAM}, "
                          f"bf16/f16/f32, not sharded in its type")
     epsilon = float(epsilon)
+    gamma, bias = along_features(gamma, x), along_features(bias, x)
     if rms or kernel is False or (kernel is None and not (kernel_fits(x) and layouts.one_device_program())):
         return _apply(x, gamma, bias, rms, epsilon)[0]
     return _layernorm(x, gamma, bias, epsilon, kernel is None)
+
+
+def along_features(v: jax.Array | None, x: jax.Array) -> jax.Array | None:
+    """v [H] laid out as x's last axis on a mesh of Explicit axes (a scale sharded over an axis
+    that x's rows use, as an FSDP scale is, would make the product illegally sharded: JAX refuses
+    `f32[B@data, T, H] * f32[H@data]`); v itself elsewhere. Its gradient comes back as v lies."""
+    if v is None or not (layouts.typed_sharding(v) or layouts.typed_sharding(x)):
+        return v
+    mesh = jax.typeof(v if layouts.typed_sharding(v) else x).sharding.mesh
+    spec = tuple(jax.typeof(x).sharding.spec) if layouts.typed_sharding(x) else ()
+    last = spec[x.ndim - 1] if len(spec) >= x.ndim else None
+    return jax.sharding.reshard(v, jax.sharding.NamedSharding(mesh, jax.P(last)))
 
 
 def _row(v, ndim):
