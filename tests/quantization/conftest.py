@@ -24,3 +24,17 @@ def fp8_layer_custom_calls():
         step = jax.jit(jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True).astype(jnp.float32))))
         lines = step.lower(variables).compile().as_text().splitlines()
     return lambda name: sum(1 for line in lines if "custom-call(" in line and name in line)
+
+
+@pytest.fixture
+def export_for_h200(monkeypatch):
+    """f's StableHLO exported for CUDA on this (CPU) machine with an H200's description, Pallas
+    Triton kernels lowered (not compiled) to Triton IR: `export_for_h200(f, *shapes) -> text`.
+    One device, so a kernel=None call's CUDA branch is the kernel."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return lambda f, *args: jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
+        *args).mlir_module()

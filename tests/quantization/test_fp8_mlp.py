@@ -141,26 +141,21 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS) + ["clamped_swiglu"])
-def test_every_table_activation_lowers_to_triton_for_cuda(name, monkeypatch):
+def test_every_table_activation_lowers_to_triton_for_cuda(name, export_for_h200):
     """On a CPU the kernels are lowered (not compiled) for CUDA with an H200's description: every
     activation of the table lowers to Triton, forward and backward, gated or not, and GPT-OSS's
     clamped SwiGLU pair."""
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
-    monkeypatch.setattr(jax, "device_count", lambda: 1)  # kernel=None: the CUDA branch is the kernel
-    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     S = jax.ShapeDtypeStruct
     pairs = ([activation_functions(("clamped_silu", "clamped_linear"))] if name == "clamped_swiglu"
              else [(ACTIVATIONS[name],), (ACTIVATIONS[name], ACTIVATIONS["linear"])])
     for acts in pairs:
         n = len(acts)
-        fwd = jax.jit(lambda h, b, s: activation.act_quantize_both(h, b, acts, s, jnp.float8_e4m3fn))
-        bwd = jax.jit(lambda g, h, b, s: activation.dact_quantize_both(g, h, b, acts, s, jnp.float8_e5m2))
+        fwd = lambda h, b, s: activation.act_quantize_both(h, b, acts, s, jnp.float8_e4m3fn)  # noqa: E731
+        bwd = lambda g, h, b, s: activation.dact_quantize_both(g, h, b, acts, s, jnp.float8_e5m2)  # noqa: E731
         h, b, s = S((128, n * 128), jnp.bfloat16), S((n * 128,), jnp.float32), S((1,), jnp.float32)
         for f, args, label in [(fwd, (h, b, s), "fp8_act_quantize_both"),
                                (bwd, (S((128, 128), jnp.bfloat16), h, b, s), "fp8_dact_quantize_both")]:
-            text = jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+            text = export_for_h200(f, *args)
             assert "__gpu$xla.gpu.triton" in text and label in text
 
 

@@ -196,6 +196,23 @@ def test_no_source_under_a_mesh_or_for_other_axes(one_device):
         assert nn_dense.fp8_source(n, x2, 1) is None
 
 
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_kernel_lowers_to_triton_for_cuda(kind, export_for_h200):
+    """On a CPU the kernel lowers (not compiled) for CUDA with an H200's description, with and
+    without the mean and beta."""
+    S = jax.ShapeDtypeStruct
+    M, K = 256, 512
+    rms = kind == "rmsnorm"
+
+    def f(x, mean, rstd, gamma, beta, y, s):
+        n = normalized.Normalization(x, None if rms else mean, rstd, gamma, None if rms else beta)
+        return normalized.quantize_both(n, y, s, jnp.float8_e4m3fn)
+
+    x, stat, row = S((M, K), jnp.bfloat16), S((M, 1), jnp.float32), S((K,), jnp.float32)
+    text = export_for_h200(f, x, stat, stat, row, row, x, S((1,), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in text and "fp8_layernorm_quantize_both" in text
+
+
 @pytest.mark.gpu
 def test_gpu_kernel_matches_xla_and_takes_the_layer(fp8_layer_custom_calls):
     """On the GPU: the compiled kernel's bytes against XLA's form (a rounding of y may differ

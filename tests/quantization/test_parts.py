@@ -223,6 +223,14 @@ def test_attention_projections_take_the_split(groups, monkeypatch):
     _compare(split, packed, ["['qkv']['bias']", "['kv']['bias']"])
 
 
+def test_kernel_lowers_to_triton_for_cuda(export_for_h200):
+    """On a CPU the kernel lowers (not compiled) for CUDA with an H200's description."""
+    part = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    text = export_for_h200(lambda ps, s: parts.quantize_parts(ps, s, jnp.float8_e5m2), [part] * 3,
+                           jax.ShapeDtypeStruct((1,), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in text and "fp8_parts_quantize_both" in text
+
+
 @pytest.mark.gpu
 def test_gpu_kernel_matches_xla_and_takes_the_layer(fp8_layer_custom_calls):
     """On the GPU: the compiled kernel's bytes and sums against XLA's form, and the guide-shaped
