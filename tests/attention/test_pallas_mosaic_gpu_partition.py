@@ -3,6 +3,7 @@ call splits over batch and heads (custom_partitioning on an Auto mesh, shard_map
 one) and equals the one-device call, forward and gradients, with GQA, a learnable sink, a
 broadcast bias, dropout and packed segments."""
 
+import contextlib
 import dataclasses
 
 import jax
@@ -133,14 +134,55 @@ def test_automatic_choice_waits_for_a_gpu_check_on_several_devices():
         with jax.set_mesh(_mesh(kind)):
             reason = pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200")
         assert "several devices" in reason and "not yet run on GPUs" in reason
-    assert partition.multi_device() is None  # no mesh set: one device's program
+    # no mesh set, several devices visible: the split is custom_partitioning's, inlined where
+    # the program runs on one device; the choice cannot tell and takes the kernels
+    assert partition.multi_device() == "unset" and jax.device_count() > 1
+    assert pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200") is None
+
+
+def test_split_with_no_mesh_set():
+    """Several devices and no mesh set: inputs sharded by their NamedShardings, by jit's
+    in_shardings or by a constraint inside split the call as under a mesh (no all-gather);
+    placed on one device, the program holds no custom partitioning at all (inlined)."""
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, k, v = (jax.random.normal(keys[i], (B, T, n, D), jnp.float32) for i, n in enumerate((N, K, K)))
+    sink = jax.random.normal(keys[3], (N,), jnp.float32)
+    spec = normalize(q, k, v, mask="causal", softmax="learnable", sink=sink)[1]
+    reference_forward, _ = _reference_calls()
+    shapes = []  # (batch, heads, q's shape) of each traced call: a shard's where split
+
+    def forward(local, q, *rest):
+        shapes.append((local.batch, local.num_heads, q.shape))
+        return reference_forward(local, q, *rest)
+
+    def f(q, k, v, sink):
+        return partition.run(forward, spec, (q, k, v, sink) + (None,) * 6, FWD_ROLES, ("q", "rows"))
+
+    want = f(q, k, v, sink)
+    assert "custom_call" not in jax.jit(f).lower(q, k, v, sink).as_text()
+    mesh = _mesh("Auto")
+    split = NamedSharding(mesh, P("data", None, "model"))
+    placed = [jax.device_put(a, split) for a in (q, k, v)] + [jax.device_put(sink, NamedSharding(mesh, P()))]
+    for label, step, args in [
+            ("placed", jax.jit(f), placed),
+            ("in_shardings", jax.jit(f, in_shardings=(split,) * 3 + (NamedSharding(mesh, P()),)), (q, k, v, sink)),
+            ("constraint", jax.jit(lambda q, *a: f(jax.lax.with_sharding_constraint(q, split), *a)), (q, k, v, sink))]:
+        shapes.clear()
+        got = step(*args)
+        # (custom_partitioning also traces the whole call once, for its shapes)
+        assert (B // 2, N // 2, (B // 2, T, N // 2, D)) in shapes, (label, shapes)
+        assert "all-gather" not in step.lower(*args).compile().as_text(), label
+        assert got[0].sharding.spec == P("data", None, "model"), label
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=label)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+@pytest.mark.parametrize("kind", ["Auto", "Explicit", "unset"])
 def test_gpu_kernels_split_over_two_devices(kind):
     """On two Hopper GPUs (the H200 x2 kind): the registered path under a (data, model) mesh,
-    dropout and GQA, equals one device's call, forward and gradients, with no all-gather."""
+    or with the inputs sharded and no mesh set, dropout and GQA, equals one device's call,
+    forward and gradients, with no all-gather."""
     if jax.device_count() < 2:
         pytest.skip("needs two GPUs")
     import flashmesh
@@ -157,9 +199,9 @@ def test_gpu_kernels_split_over_two_devices(kind):
         return jnp.sum(out.astype(jnp.float32) * g), out
 
     (_, out_one), grads_one = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    mesh = jax.make_mesh((2, 1), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2,
+    mesh = jax.make_mesh((2, 1), ("data", "model"), axis_types=(getattr(AxisType, kind, AxisType.Auto),) * 2,
                          devices=jax.devices()[:2])
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh) if kind != "unset" else contextlib.nullcontext():
         placed = [jax.device_put(a, NamedSharding(mesh, P("data", None, "model"))) for a in (q, k, v)]
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
         (_, out), grads = step(*placed)
