@@ -24,6 +24,7 @@ import math
 from typing import Callable
 
 import jax
+import jax.custom_batching
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -138,7 +139,18 @@ def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles):
     given = [arrays[i] for i in present]
     if kind == "explicit":
         return _shard_map(call, spec, given, roles, tuple(out_roles))
-    return _partitioned(call, roles, tuple(out_roles))(*given, spec)
+    split = _partitioned(call, roles, tuple(out_roles))
+    # custom_partitioning has no batching rule: under vmap the call runs whole (the kernels'
+    # own batching), as it did before this module
+    batchable = jax.custom_batching.custom_vmap(lambda *xs: split(*xs, spec))
+
+    @batchable.def_vmap
+    def _(axis_size, in_batched, *xs):
+        outs = jax.vmap(lambda *xs: call(spec, *xs), in_axes=tuple(0 if b else None for b in in_batched),
+                        axis_size=axis_size)(*xs)
+        return outs, (True,) * len(outs)
+
+    return batchable(*given)
 
 
 def _call_present(fn, present, n, local, *given):
