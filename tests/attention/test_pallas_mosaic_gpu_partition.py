@@ -5,7 +5,6 @@ broadcast bias, dropout and packed segments."""
 
 import contextlib
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -221,25 +220,33 @@ def test_gpu_kernels_split_over_two_devices(kind):
         assert _rel(a, b) < 1e-2
 
 
-def test_vmap_runs_the_call_whole():
-    """custom_partitioning has no batching rule: under vmap (here of the gradient, several
-    devices visible and no mesh set) the kernels run whole with their own batching, in the
-    interpreter, equal to the reference."""
-    from flashmesh.attention import reference
+@pytest.mark.parametrize("kind", ["unset", "Auto", "Explicit"])
+def test_vmap_of_split_calls(kind):
+    """vmap over a leading axis (several devices visible; no mesh set, or a mesh of Auto or
+    Explicit axes): equal to the calls one by one. custom_partitioning has no batching rule, so
+    under vmap that form runs the call whole with fn's own batching."""
+    keys = jax.random.split(jax.random.key(4), 3)
+    q, k, v = (jax.random.normal(key, (2, B, T, n, D), jnp.float32) for key, n in zip(keys, (N, K, K)))
+    spec = normalize(q[0], k[0], v[0], mask="causal")[1]
+    forward, _ = _reference_calls()
 
+    def f(q, k, v):
+        return partition.run(forward, spec, (q, k, v) + (None,) * 7, FWD_ROLES, ("q", "rows"))
+
+    want = [f(q[i], k[i], v[i]) for i in range(2)]
+    mesh = _mesh("Auto" if kind == "unset" else kind)
+    with jax.set_mesh(mesh) if kind != "unset" else contextlib.nullcontext():
+        placed = [jax.device_put(a, NamedSharding(mesh, P(None, "data", None, "model"))) for a in (q, k, v)]
+        got = jax.jit(jax.vmap(f))(*placed)
+    for i in range(2):
+        for a, b in zip(got, want[i]):
+            np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), rtol=2e-5, atol=2e-5)
+
+
+def test_interpreted_kernels_run_whole():
+    """split=False (the kernels in the interpreter, one device's) runs fn itself."""
     assert partition.multi_device() == "unset"
-    keys = jax.random.split(jax.random.key(4), 4)
-    q, k, v, g = (jax.random.normal(key, (2, 1, 64, 2, 64), jnp.float32).astype(jnp.bfloat16) for key in keys)
-    inputs, spec = normalize(q[0], k[0], v[0], mask="causal")
-
-    def loss(attend, q, k, v, g):
-        out = attend(dataclasses.replace(inputs, q=q, k=k, v=v))
-        out = out[0] if isinstance(out, tuple) else out  # the reference gives (out, lse)
-        return jnp.sum(out.astype(jnp.float32) * g)
-
-    mine = lambda i: pallas_mosaic_gpu.attention_with(i, spec, FWD, BACK, interpret=True)
-    got = jax.vmap(jax.grad(functools.partial(loss, mine), argnums=(0, 1, 2)))(q, k, v, g.astype(jnp.float32))
-    f32 = [a.astype(jnp.float32) for a in (q, k, v, g)]
-    want = jax.vmap(jax.grad(functools.partial(loss, lambda i: reference.attention(i, spec)), argnums=(0, 1, 2)))(*f32)
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+    calls = []
+    partition.run(lambda spec, x: calls.append(x.shape) or (x,), "spec", (jnp.ones((B, T, N, D)),),
+                  ("q",), ("q",), split=False)
+    assert calls == [(B, T, N, D)]

@@ -230,7 +230,8 @@ def _kernel(setup, q, k, v, sink, bias, dropout_hash, tables):
                        tables=_tables(tables), bias=bias, interpret=interpret)
 
     return partition.run(call, spec, (q, k, v, sink, bias, dropout_hash, *_table_list(tables)),
-                         ("q", "kv", "kv", "heads", "bias", "rows") + ("tokens",) * 4, ("q", "rows"))
+                         ("q", "kv", "kv", "heads", "bias", "rows") + ("tokens",) * 4, ("q", "rows"),
+                         split=not interpret)
 
 
 def _table_list(tables) -> tuple:
@@ -308,7 +309,7 @@ def _kernel_bwd(setup, res, cts):
         grads = iter(partition.run(
             call, spec, (q, k, v, out, lse, d_out, sink, d_lse, dropout_hash, bias, *_table_list(tables)),
             ("q", "kv", "kv", "q", "rows", "q", "heads", "rows", "rows", "bias") + ("tokens",) * 4,
-            out_roles))
+            out_roles, split=not interpret))
         dq, dk, dv = next(grads), next(grads), next(grads)
         return (dq, dk, dv, next(grads) if sink is not None else None,
                 next(grads) if bias is not None else None)

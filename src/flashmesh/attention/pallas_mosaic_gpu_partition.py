@@ -123,12 +123,14 @@ def multi_device() -> str | None:
     return None
 
 
-def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles):
+def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles, *, split: bool = True):
     """fn(spec, *arrays) -> tuple of arrays, split over the batch and head shards of a
-    multi-device program (the module docstring); fn itself on one device. arrays[0] is q (or
-    an array laid out like it); None entries (absent optional operands) stay None."""
+    multi-device program (the module docstring); fn itself on one device or with split=False
+    (the kernels in Mosaic GPU's interpreter, which runs on one device: its simulated shared
+    memory is one per process). arrays[0] is q (or an array laid out like it); None entries
+    (absent optional operands) stay None."""
     present = tuple(i for i, a in enumerate(arrays) if a is not None)
-    kind = multi_device()
+    kind = multi_device() if split else None
     if len(out_roles) == 0 or kind is None:
         return fn(spec, *arrays)
     if in_roles[0] != "q" or 0 not in present:
