@@ -294,8 +294,9 @@ def _shared_shape(c: Case) -> bool:
 
 
 def expected_of(c: Case, x: Inputs, jit: bool | None = None):
-    """The reference in float64 on the case's values (layout-free: plain bshd)."""
-    with jax.enable_x64(True):
+    """The reference in float64 on the case's values (layout-free: plain bshd), on the CPU (a
+    TPU has no float64)."""
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
         out, lse, grads = run(c, x, "reference", "float64", layout="bshd", jit=jit)
         return (np.asarray(out), np.asarray(lse), {n: np.asarray(g) for n, g in grads.items()})
 

@@ -129,24 +129,28 @@ def test_split_calls_equal_one_device(kind):
         assert jax.typeof(got[5]).sharding.spec == P("model")  # summed over the batch shards
 
 
-def test_one_device_calls_run_directly():
+def test_one_device_calls_run_directly(monkeypatch):
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert partition.multi_device() is None
     calls = []
     assert partition.run(lambda spec, x: calls.append(spec) or (x,), "spec", (jnp.ones(2),), ("q",), ("q",))
     assert calls == ["spec"]
 
 
-def test_automatic_choice_waits_for_a_gpu_check_on_several_devices():
+def test_automatic_choice_waits_for_a_gpu_check_on_several_devices(monkeypatch):
     q = jnp.zeros((B, T, N, D), jnp.bfloat16)
     spec = normalize(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(0))[1]
-    assert pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200") is None
+    with monkeypatch.context() as one_gpu:
+        one_gpu.setattr(jax, "device_count", lambda: 1)
+        assert pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200") is None
     for kind in ("Auto", "Explicit"):
         with jax.set_mesh(_mesh(kind)):
             reason = pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200")
         assert "several devices" in reason and "not yet run on GPUs" in reason
     # no mesh set, several devices visible: the split is custom_partitioning's, inlined where
-    # the program runs on one device; the choice cannot tell and takes the kernels
+    # the program runs on one device; the choice cannot tell, and waits as under a mesh
     assert partition.multi_device() == "unset" and jax.device_count() > 1
-    assert pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200") is None
+    assert "several devices" in pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200")
 
 
 def test_split_with_no_mesh_set():
@@ -244,9 +248,11 @@ def test_vmap_of_split_calls(kind):
 
 
 def test_interpreted_kernels_run_whole():
-    """split=False (the kernels in the interpreter, one device's) runs fn itself."""
+    """split=False (the kernels in the interpreter, one device's) runs fn itself, on the arrays
+    given (split=True, several devices visible, traces it inside custom_partitioning)."""
     assert partition.multi_device() == "unset"
-    calls = []
-    partition.run(lambda spec, x: calls.append(x.shape) or (x,), "spec", (jnp.ones((B, T, N, D)),),
-                  ("q",), ("q",), split=False)
-    assert calls == [(B, T, N, D)]
+    for split, direct in ((False, True), (True, False)):
+        calls = []
+        partition.run(lambda spec, x: calls.append(not isinstance(x, jax.core.Tracer)) or (x,), "spec",
+                      (jnp.ones((B, T, N, D)),), ("q",), ("q",), split=split)
+        assert calls and all(c == direct for c in calls), (split, calls)

@@ -101,9 +101,10 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     every packed self-attention call, resting on that memory gap as much as on the time), and
     whatever cuDNN refuses. Passed over: calls of the kinds cuDNN measured faster or about as
     fast on (d128 full, causal, wider windows, MLA where its version runs it), and what has not
-    been checked on a GPU yet: context-parallel steps, programs under a mesh over several
-    devices (the split over batch and heads; with no mesh set the program cannot be told from
-    one device's, and the split is JAX's to make or inline), and q of 2^30 elements or more (only the
+    been checked on a GPU yet: context-parallel steps, programs that may run over several
+    devices (the split over batch and heads: under a mesh, or where several devices are
+    visible with no mesh set, since such a program cannot be told from one device's), and q of
+    2^30 elements or more (only the
     forward was checked there). device_kind: jax's, for
     the tiles (default: this machine's)."""
     from flashmesh.attention import cudnn
@@ -112,10 +113,10 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     if spec.context_step:
         return ("not yet checked on a GPU inside a context-parallel step (shard_map); name it "
                 "(implementation='pallas_mosaic_gpu') to run it there")
-    if partition.multi_device() in ("explicit", "auto"):
-        return ("a mesh over several devices: the kernels split over batch and heads "
-                "(pallas_mosaic_gpu_partition), which has not yet run on GPUs; name it "
-                "(implementation='pallas_mosaic_gpu') to run it there")
+    if partition.multi_device() is not None:
+        return ("several devices (a mesh over them, or visible with no mesh set): the kernels "
+                "split over batch and heads (pallas_mosaic_gpu_partition), which has not yet "
+                "run on GPUs; name it (implementation='pallas_mosaic_gpu') to run it there")
     if spec.q_elements >= cudnn.MAX_Q_ELEMENTS:
         return ("q of 2^30 elements or more: only the forward has been checked on the H200 at "
                 "this size, not yet the backward (cuDNN's dq was wrong there)")

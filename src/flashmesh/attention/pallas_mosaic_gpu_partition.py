@@ -6,7 +6,9 @@ shards of the batch and head axes instead, as cuDNN's call does in JAX: on a mes
 axes by `jax.shard_map` over the axes q's type names; on Auto axes (`jax.set_mesh`, `with mesh:`)
 and where several devices are visible with no mesh set (a program sharded by its inputs or by
 jit's shardings) by `custom_partitioning`, whose rule takes q's batch and head sharding and lays
-every other operand out to match (JAX inlines it where the program runs on one device). Sequence and head-dimension shardings are
+every other operand out to match (JAX inlines it where the program runs on one device). JAX
+cannot export (`jax.export`) a program over several devices that holds a custom_partitioning
+(its Python callbacks do not serialise), as for cuDNN's call; one device's program exports. Sequence and head-dimension shardings are
 gathered (context parallelism is `flashmesh.parallel`'s). Heads split only where the key/value
 heads split evenly with them (GQA groups stay whole); else only the batch.
 
@@ -143,7 +145,7 @@ def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles, *, split
         return _shard_map(call, spec, given, roles, tuple(out_roles))
     split = _partitioned(call, roles, tuple(out_roles))
     # custom_partitioning has no batching rule: under vmap the call runs whole (the kernels'
-    # own batching), as it did before this module
+    # own batching) on every device, as it did before this module (values right, no split)
     batchable = jax.custom_batching.custom_vmap(lambda *xs: split(*xs, spec))
 
     @batchable.def_vmap
