@@ -503,14 +503,14 @@ def assert_close(name: str, actual, expected, *, rtol: float = 1e-5, atol: float
                              f"(got {a[idx]!r}, expected {e[idx]!r}, max |expected| {scale:.3g})")
 
 
-def assert_fa_rule(name: str, actual, expected, plain, *, noise: float = 2.0**-8):
+def assert_fa_rule(name: str, actual, expected, plain, *, noise: float = 2.0**-8, atol: float = 0.0):
     """FlashAttention's rule for low precision: the error against the float64 answer is at most
     twice the error of the plain low-precision computation, plus rounding noise
-    (noise * max |expected|, half a bfloat16 ulp of the largest element by default)."""
+    (noise * max |expected|, half a bfloat16 ulp of the largest element by default, plus atol)."""
     err, idx, a, e = _worst(actual, expected)
     plain_err, plain_idx, _, _ = _worst(plain, expected)
     scale = float(np.max(np.abs(e))) if e.size else 0.0
-    tol = 2.0 * plain_err + noise * max(scale, 1e-3)
+    tol = 2.0 * plain_err + noise * max(scale, 1e-3) + atol
     if err > tol:
         raise AssertionError(f"{name}: max |error| {err:.3g} > 2 x plain low-precision error "
                              f"{plain_err:.3g} (at {plain_idx}) + noise = {tol:.3g}; worst at {idx} "
