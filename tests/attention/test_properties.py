@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import semantics as sem
 from flashmesh.attention import normalize, registry
 from test_behaviour import (CAPABILITIES, GPU_BACKENDS, Case, case_features, compare_results,
-                            expected_of, make_inputs, options_of, plain_of, run, supports, float32_by_rule)
+                            expected_of, make_inputs, options_of, plain_of, run, supports, float32_by_rule,
+                            float32_precision)
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 
@@ -76,7 +77,8 @@ def test_backends_agree_with_reference(config):
             with pytest.raises(NotImplementedError):
                 run(case, x, backend, dtype)
             continue
-        got = run(case, x, backend, dtype)
-        by_rule = dtype == "bfloat16" or float32_by_rule()
-        plain = plain_of(case, x, dtype) if by_rule else None
+        with float32_precision(dtype):
+            got = run(case, x, backend, dtype)
+            by_rule = dtype == "bfloat16" or float32_by_rule()
+            plain = plain_of(case, x, dtype) if by_rule else None
         compare_results(f"{backend}/{dtype} {case}", case, x, dtype, got, want, plain)
