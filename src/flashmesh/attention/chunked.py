@@ -208,9 +208,20 @@ def _forward(tiles: Tiles) -> tuple[jax.Array, jax.Array]:
     m, l, acc = tiles.run(step_fn, (m0, l0, acc0))
     empty = l == 0  # only possible for vanilla softmax: the row saw no key
     safe_l = jnp.where(empty, 1.0, l)
-    lse = jnp.where(empty, EMPTY_ROW_LSE, _finite(m) + jnp.log(safe_l))
+    lse = jnp.where(empty, EMPTY_ROW_LSE, _finite(m) + _log_as_exp_sees_it(safe_l))
     out = acc / safe_l[..., None]  # acc is exactly 0 on empty rows
     return tiles.merge_q(out).astype(tiles.q_dtype), tiles.merge_rows(lse)
+
+
+def _log_as_exp_sees_it(l: jax.Array) -> jax.Array:
+    """log(l) for l >= 1, corrected once so that e^(result) gives back l as this device's exp
+    computes it: y + (l e^-y - 1), log(1 + x) ~ x. The backward recomputes p = e^(s - lse),
+    which sums to 1 over a row only if lse and exp agree; a TPU's float32 log misses by up to
+    ~3e-5 relative, and its gradients were ~30x the plain computation's error without this
+    (benchmarks/results/2026-12-08-tpu-v5e-tests, run 3). Where log is exact it moves y by an
+    ulp or so."""
+    y = jnp.log(l)
+    return y + (l * jnp.exp(-y) - 1.0)
 
 
 def _finite(m: jax.Array) -> jax.Array:
