@@ -79,6 +79,28 @@ def test_empty_partials_are_exact_identities():
     np.testing.assert_array_equal(ml, la)
 
 
+def test_merged_lse_agrees_with_exp_under_an_inexact_log(monkeypatch):
+    """A logaddexp off by 3e-5 relative (a TPU's float32 log misses by about that): the merged
+    lse still satisfies e^(lse_a - lse) + e^(lse_b - lse) = 1, which the backward's recomputed
+    p = e^(s - lse) relies on, and the sink's fold keeps it too."""
+    import types
+
+    from flashmesh.parallel import merge
+
+    inexact = types.SimpleNamespace(**{n: getattr(jnp, n) for n in dir(jnp) if not n.startswith("__")})
+    inexact.logaddexp = lambda a, b: jnp.logaddexp(a, b) * (1.0 + 3e-5)
+    monkeypatch.setattr(merge, "jnp", inexact)
+    s, v, vis, sets = problem(6)
+    (oa, la), (ob, lb) = _partials(s, v, vis, sets)
+    seen = (np.asarray(la) > EMPTY_ROW_LSE) & (np.asarray(lb) > EMPTY_ROW_LSE)
+    _, lse = merge_partials(oa, la, ob, lb)
+    total = np.exp(np.asarray(la, np.float64) - lse) + np.exp(np.asarray(lb, np.float64) - lse)
+    np.testing.assert_allclose(total[seen], 1.0, rtol=0, atol=1e-6)
+    _, with_sink = finalize_sink(oa, la, 0.5)
+    total = np.exp(np.asarray(la, np.float64) - with_sink) + np.exp(0.5 - np.asarray(with_sink, np.float64))
+    np.testing.assert_allclose(total[np.asarray(la) > EMPTY_ROW_LSE], 1.0, rtol=0, atol=1e-6)
+
+
 def test_low_precision_inputs_merge_in_float32():
     s, v, vis, sets = problem(3)
     parts = _partials(s, v, vis, sets, jnp.bfloat16)

@@ -49,6 +49,15 @@ def _lift(lse: Array, ct) -> Array:
     return jnp.where(lse > empty, lse, empty)
 
 
+def _logaddexp(a: Array, b: Array) -> Array:
+    """logaddexp(a, b) corrected once so that e^(a - r) + e^(b - r) = 1 as this device's exp
+    computes it (log(1 + x) ~ x), the sum a backward that recomputes p = e^(s - lse) relies on (a
+    TPU's float32 log misses by ~3e-5 relative: `attention.chunked._log_as_exp_sees_it`). An
+    empty partial (EMPTY_ROW_LSE) leaves the other exactly as it was; two give EMPTY_ROW_LSE."""
+    r = jnp.logaddexp(a, b)
+    return r + (jnp.exp(a - r) + jnp.exp(b - r) - 1.0)
+
+
 def _weight(x: Array) -> Array:
     """A [B, N, T] per-row factor as [B, T, N, 1], to scale an out [B, T, N, H]."""
     return jnp.swapaxes(x, 1, 2)[..., None]
@@ -78,7 +87,7 @@ def merge_partials(out_a: Float[Array, "B T N H"], lse_a: Float[Array, "B N T"],
     la, lb = _lift(lse_a, ct), _lift(lse_b, ct)
     oa, ob = out_a.astype(ct), out_b.astype(ct)
     out = oa + _weight(jax.nn.sigmoid(lb - la)) * (ob - oa)
-    return out, jnp.logaddexp(la, lb)
+    return out, _logaddexp(la, lb)
 
 
 def finalize_sink(out: Float[Array, "B T N H"], lse: Float[Array, "B N T"],
@@ -107,4 +116,4 @@ def finalize_sink(out: Float[Array, "B T N H"], lse: Float[Array, "B N T"],
         raise ValueError(f"sink_logit must be a scalar or [N={lse.shape[1]}], got shape {c.shape}")
     c = c.reshape(1, -1, 1) if c.ndim == 1 else c.reshape(1, 1, 1)
     lse = _lift(lse, ct)
-    return out.astype(ct) * _weight(jax.nn.sigmoid(lse - c)), jnp.logaddexp(lse, c)
+    return out.astype(ct) * _weight(jax.nn.sigmoid(lse - c)), _logaddexp(lse, c)
