@@ -104,9 +104,8 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     been checked on a GPU yet: context-parallel steps, programs that may run over several
     devices (the split over batch and heads: under a mesh, or where several devices are
     visible with no mesh set, since such a program cannot be told from one device's), and q of
-    2^30 elements or more (only the
-    forward was checked there). device_kind: jax's, for
-    the tiles (default: this machine's)."""
+    2^30 elements or more (only the forward was checked there). device_kind: jax's, for the
+    tiles (default: this machine's)."""
     from flashmesh.attention import cudnn
     from flashmesh.attention import pallas_mosaic_gpu_common as common
 

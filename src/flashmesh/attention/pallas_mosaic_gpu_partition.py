@@ -8,9 +8,11 @@ and where several devices are visible with no mesh set (a program sharded by its
 jit's shardings) by `custom_partitioning`, whose rule takes q's batch and head sharding and lays
 every other operand out to match (JAX inlines it where the program runs on one device). JAX
 cannot export (`jax.export`) a program over several devices that holds a custom_partitioning
-(its Python callbacks do not serialise), as for cuDNN's call; one device's program exports. Sequence and head-dimension shardings are
-gathered (context parallelism is `flashmesh.parallel`'s). Heads split only where the key/value
-heads split evenly with them (GQA groups stay whole); else only the batch.
+(its Python callbacks do not serialise), as for cuDNN's call; one device's program exports.
+Under vmap the call runs whole (custom_partitioning has no batching rule). Sequence and
+head-dimension shardings are gathered (context parallelism is `flashmesh.parallel`'s). Heads
+split only where the key/value heads split evenly with them (GQA groups stay whole); else only
+the batch.
 
 Every operand has a role naming its layout (`ROLES`). Results summed over batch or heads (the
 sink's gradient; a bias gradient broadcast over them) are summed over those shards. Dropout
@@ -143,10 +145,10 @@ def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles, *, split
     given = [arrays[i] for i in present]
     if kind == "explicit":
         return _shard_map(call, spec, given, roles, tuple(out_roles))
-    split = _partitioned(call, roles, tuple(out_roles))
+    partitioned = _partitioned(call, roles, tuple(out_roles))
     # custom_partitioning has no batching rule: under vmap the call runs whole (the kernels'
     # own batching) on every device, as it did before this module (values right, no split)
-    batchable = jax.custom_batching.custom_vmap(lambda *xs: split(*xs, spec))
+    batchable = jax.custom_batching.custom_vmap(lambda *xs: partitioned(*xs, spec))
 
     @batchable.def_vmap
     def _(axis_size, in_batched, *xs):
