@@ -227,24 +227,38 @@ def test_gpu_kernels_split_over_two_devices(kind):
 @pytest.mark.parametrize("kind", ["unset", "Auto", "Explicit"])
 def test_vmap_of_split_calls(kind):
     """vmap over a leading axis (several devices visible; no mesh set, or a mesh of Auto or
-    Explicit axes): equal to the calls one by one. custom_partitioning has no batching rule, so
-    under vmap that form runs the call whole with fn's own batching."""
-    keys = jax.random.split(jax.random.key(4), 3)
+    Explicit axes): equal to the calls one by one, and still split: a traced call sees one
+    shard's rows and heads (custom_partitioning has no batching rule: the mapped axis folds
+    into the batch). With a sink whose gradient is per mapped element the backward runs whole,
+    and equals the loop too."""
+    keys = jax.random.split(jax.random.key(4), 5)
     q, k, v = (jax.random.normal(key, (2, B, T, n, D), jnp.float32) for key, n in zip(keys, (N, K, K)))
-    spec = normalize(q[0], k[0], v[0], mask="causal")[1]
-    forward, _ = _reference_calls()
+    sink, d_out = jax.random.normal(keys[3], (N,), jnp.float32), jax.random.normal(keys[4], q.shape, jnp.float32)
+    spec = normalize(q[0], k[0], v[0], mask="causal", softmax="learnable", sink=sink)[1]
+    forward, backward = _reference_calls()
+    seen = set()
 
-    def f(q, k, v):
-        return partition.run(forward, spec, (q, k, v) + (None,) * 7, FWD_ROLES, ("q", "rows"))
+    def traced(local, q, *rest):
+        seen.add((local.batch, local.num_heads, q.shape))
+        return forward(local, q, *rest)
 
-    want = [f(q[i], k[i], v[i]) for i in range(2)]
+    def f(q, k, v, d_out):
+        out, lse = partition.run(traced, spec, (q, k, v, sink) + (None,) * 6, FWD_ROLES, ("q", "rows"))
+        no_bias = lambda *a: backward(*a)[:4]  # noqa: E731  (dq, dk, dv, dsink: no bias here)
+        grads = partition.run(no_bias, spec, (q, k, v, out, lse, d_out, sink, jnp.zeros_like(lse), None, None)
+                              + (None,) * 4, BWD_ROLES, ("q", "kv", "kv", "heads"))
+        return (out, lse, *grads)
+
+    want = [f(q[i], k[i], v[i], d_out[i]) for i in range(2)]
     mesh = _mesh("Auto" if kind == "unset" else kind)
     with jax.set_mesh(mesh) if kind != "unset" else contextlib.nullcontext():
-        placed = [jax.device_put(a, NamedSharding(mesh, P(None, "data", None, "model"))) for a in (q, k, v)]
+        placed = [jax.device_put(a, NamedSharding(mesh, P(None, "data", None, "model"))) for a in (q, k, v, d_out)]
+        seen.clear()
         got = jax.jit(jax.vmap(f))(*placed)
+    assert (B, N // 2, (B, T, N // 2, D)) in seen or (B // 2, N // 2, (B // 2, T, N // 2, D)) in seen, seen
     for i in range(2):
-        for a, b in zip(got, want[i]):
-            np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), rtol=2e-5, atol=2e-5)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink"), got, want[i]):
+            np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 def test_interpreted_kernels_run_whole():

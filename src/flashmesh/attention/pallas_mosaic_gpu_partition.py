@@ -9,7 +9,7 @@ jit's shardings) by `custom_partitioning`, whose rule takes q's batch and head s
 every other operand out to match (JAX inlines it where the program runs on one device). JAX
 cannot export (`jax.export`) a program over several devices that holds a custom_partitioning
 (its Python callbacks do not serialise), as for cuDNN's call; one device's program exports.
-Under vmap the call runs whole (custom_partitioning has no batching rule). Sequence and
+Under vmap the mapped axis folds into the batch (`_batchable`). Sequence and
 head-dimension shardings are gathered (context parallelism is `flashmesh.parallel`'s). Heads
 split only where the key/value heads split evenly with them (GQA groups stay whole); else only
 the batch.
@@ -29,6 +29,7 @@ from typing import Callable
 
 import jax
 import jax.custom_batching
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -145,18 +146,58 @@ def run(fn: Callable, spec: AttentionSpec, arrays, in_roles, out_roles, *, split
     given = [arrays[i] for i in present]
     if kind == "explicit":
         return _shard_map(call, spec, given, roles, tuple(out_roles))
-    partitioned = _partitioned(call, roles, tuple(out_roles))
-    # custom_partitioning has no batching rule: under vmap the call runs whole (the kernels'
-    # own batching) on every device, as it did before this module (values right, no split)
+    return _batchable(call, spec, given, roles, tuple(out_roles))
+
+
+def _batchable(call, spec, given, roles, out_roles):
+    """The custom_partitioning form of the call, with a vmap rule: custom_partitioning has none.
+    Under vmap the mapped axis is folded into the batch (batch-major, so each device's shard
+    stays contiguous) and the folded call splits as before; where folding cannot express the
+    mapped call (a mapped sink or bias, or a sink's or bias's gradient, which are per mapped
+    element) the call runs whole, with the kernels' own batching, on every device."""
+    partitioned = _partitioned(call, roles, out_roles)
     batchable = jax.custom_batching.custom_vmap(lambda *xs: partitioned(*xs, spec))
 
     @batchable.def_vmap
     def _(axis_size, in_batched, *xs):
-        outs = jax.vmap(lambda *xs: call(spec, *xs), in_axes=tuple(0 if b else None for b in in_batched),
-                        axis_size=axis_size)(*xs)
+        folded = _fold(spec, xs, in_batched, roles, out_roles, axis_size)
+        if folded is None:
+            outs = jax.vmap(lambda *xs: call(spec, *xs), in_axes=tuple(0 if b else None for b in in_batched),
+                            axis_size=axis_size)(*xs)
+        else:
+            outs = tuple(_unfold(x, axis_size) for x in _batchable(call, *folded, roles, out_roles))
         return outs, (True,) * len(outs)
 
     return batchable(*given)
+
+
+_FOLDABLE = ("q", "kv", "rows", "tokens")  # roles whose dim 0 is the batch
+
+
+def _fold(spec, xs, in_batched, roles, out_roles, V):
+    """(spec, operands) of the call over batch B * V, the mapped axis V folded in after B; None
+    where that cannot express the mapped call."""
+    if any(r not in ("q", "kv", "rows") for r in out_roles):
+        return None
+    folded = []
+    for x, batched, role in zip(xs, in_batched, roles):
+        if role in _FOLDABLE:
+            if not batched:
+                if role in ("q", "kv"):  # a shared q, k or v: folding would copy it V times
+                    return None
+                x = jnp.broadcast_to(x[None], (V,) + x.shape)  # small integer tables
+            x = jnp.moveaxis(x, 0, 1)
+            folded.append(x.reshape((x.shape[0] * V,) + x.shape[2:]))
+        elif batched or (role == "bias" and x.shape[0] != 1):
+            return None
+        else:
+            folded.append(x)  # an unmapped sink, or a bias broadcast over the batch
+    return dataclasses.replace(spec, batch=spec.batch * V), folded
+
+
+def _unfold(x, V):
+    """A folded result [B * V, ...] as [V, B, ...]."""
+    return jnp.moveaxis(x.reshape((x.shape[0] // V, V) + x.shape[1:]), 1, 0)
 
 
 def _call_present(fn, present, n, local, *given):
