@@ -8,8 +8,9 @@ softmax, tile skipping from the band's tile ranges), or for narrow windows (a ba
 256 keys per 64 queries) `pallas_mosaic_gpu_sm90_window.forward_spec` (the band kept in shared
 memory for the group's query heads), as `pallas_mosaic_gpu_table.default_for` configures. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
 band's query tiles and the group's query heads, and a dQ kernel), under one custom VJP here;
-an lse cotangent enters as delta - d_lse. Under a mesh over several devices each kernel call
-runs on its device's batch rows and heads (`pallas_mosaic_gpu_partition`), as cuDNN's does.
+an lse cotangent enters as delta - d_lse. In a program over several devices (a mesh set, or
+inputs sharded with none set) each kernel call runs on its device's batch rows and heads
+(`pallas_mosaic_gpu_partition`), as cuDNN's does.
 
 Runs: band masks (causal, (left, right) windows, both diagonal alignments), any scale, GQA and
 MQA, Dqk != Dv, any T and S, logits soft cap, off-by-one and learnable sinks, dropout (the
