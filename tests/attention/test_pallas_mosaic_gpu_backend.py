@@ -15,13 +15,6 @@ from flashmesh.attention import pallas_mosaic_gpu, registry
 from flashmesh.attention.api import normalize
 
 
-@pytest.fixture(autouse=True)
-def one_device(monkeypatch):
-    """The automatic choice as on a machine with one GPU (the suite fakes 8 CPU devices, where
-    it passes over the kernels: test_pallas_mosaic_gpu_partition)."""
-    monkeypatch.setattr(jax, "device_count", lambda: 1)
-
-
 def _spec(**kw):
     q = jnp.zeros((1, 128, 4, kw.pop("D", 64)), kw.pop("dtype", jnp.bfloat16))
     return normalize(q, q, q, **kw)[1]

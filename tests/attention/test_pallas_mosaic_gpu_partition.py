@@ -3,7 +3,6 @@ call splits over batch and heads (custom_partitioning on an Auto mesh, shard_map
 one) and equals the one-device call, forward and gradients, with GQA, a learnable sink, a
 broadcast bias, dropout and packed segments."""
 
-import contextlib
 import dataclasses
 
 import jax
@@ -129,40 +128,32 @@ def test_split_calls_equal_one_device(kind):
         assert jax.typeof(got[5]).sharding.spec == P("model")  # summed over the batch shards
 
 
-def test_one_device_calls_run_directly(monkeypatch):
-    monkeypatch.setattr(jax, "device_count", lambda: 1)
-    assert partition.multi_device() is None
+def test_one_device_calls_run_directly():
+    assert partition.multi_device() is None  # no mesh set, though the suite fakes 8 devices
     calls = []
     assert partition.run(lambda spec, x: calls.append(spec) or (x,), "spec", (jnp.ones(2),), ("q",), ("q",))
     assert calls == ["spec"]
 
 
-def test_automatic_choice_waits_for_a_gpu_check_on_several_devices(monkeypatch):
+def test_automatic_choice_waits_for_a_gpu_check_on_several_devices():
     q = jnp.zeros((B, T, N, D), jnp.bfloat16)
     spec = normalize(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(0))[1]
-    with monkeypatch.context() as one_gpu:
-        one_gpu.setattr(jax, "device_count", lambda: 1)
-        assert pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200") is None
+    assert pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200") is None  # no mesh set
     for kind in ("Auto", "Explicit"):
         with jax.set_mesh(_mesh(kind)):
             reason = pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200")
         assert "several devices" in reason and "not yet run on GPUs" in reason
-    # no mesh set, several devices visible: the split is custom_partitioning's, inlined where
-    # the program runs on one device; the choice cannot tell, and waits as under a mesh
-    assert partition.multi_device() == "unset" and jax.device_count() > 1
-    assert "several devices" in pallas_mosaic_gpu.automatic_reason(spec, "gpu", "NVIDIA H200")
 
 
-def test_split_with_no_mesh_set():
-    """Several devices and no mesh set: inputs sharded by their NamedShardings, by jit's
-    in_shardings or by a constraint inside split the call as under a mesh (no all-gather);
-    placed on one device, the program holds no custom partitioning at all (inlined)."""
+def test_no_mesh_set_runs_the_call_whole():
+    """Several devices and inputs sharded, but no mesh set: the call runs whole (the traced call
+    sees the whole batch and every head), as one device's program on that host does."""
     keys = jax.random.split(jax.random.key(3), 4)
     q, k, v = (jax.random.normal(keys[i], (B, T, n, D), jnp.float32) for i, n in enumerate((N, K, K)))
     sink = jax.random.normal(keys[3], (N,), jnp.float32)
     spec = normalize(q, k, v, mask="causal", softmax="learnable", sink=sink)[1]
     reference_forward, _ = _reference_calls()
-    shapes = []  # (batch, heads, q's shape) of each traced call: a shard's where split
+    shapes = []
 
     def forward(local, q, *rest):
         shapes.append((local.batch, local.num_heads, q.shape))
@@ -172,30 +163,20 @@ def test_split_with_no_mesh_set():
         return partition.run(forward, spec, (q, k, v, sink) + (None,) * 6, FWD_ROLES, ("q", "rows"))
 
     want = f(q, k, v, sink)
-    assert "custom_call" not in jax.jit(f).lower(q, k, v, sink).as_text()
     mesh = _mesh("Auto")
-    split = NamedSharding(mesh, P("data", None, "model"))
-    placed = [jax.device_put(a, split) for a in (q, k, v)] + [jax.device_put(sink, NamedSharding(mesh, P()))]
-    for label, step, args in [
-            ("placed", jax.jit(f), placed),
-            ("in_shardings", jax.jit(f, in_shardings=(split,) * 3 + (NamedSharding(mesh, P()),)), (q, k, v, sink)),
-            ("constraint", jax.jit(lambda q, *a: f(jax.lax.with_sharding_constraint(q, split), *a)), (q, k, v, sink))]:
-        shapes.clear()
-        got = step(*args)
-        # (custom_partitioning also traces the whole call once, for its shapes)
-        assert (B // 2, N // 2, (B // 2, T, N // 2, D)) in shapes, (label, shapes)
-        assert "all-gather" not in step.lower(*args).compile().as_text(), label
-        assert got[0].sharding.spec == P("data", None, "model"), label
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=label)
+    placed = [jax.device_put(a, NamedSharding(mesh, P("data", None, "model"))) for a in (q, k, v)]
+    shapes.clear()
+    got = jax.jit(f)(*placed, sink)
+    assert shapes == [(B, N, (B, T, N, D))], shapes
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["Auto", "Explicit", "unset"])
+@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
 def test_gpu_kernels_split_over_two_devices(kind):
     """On two Hopper GPUs (the H200 x2 kind): the registered path under a (data, model) mesh,
-    or with the inputs sharded and no mesh set, dropout and GQA, equals one device's call,
-    forward and gradients, with no all-gather."""
+    dropout and GQA, equals one device's call, forward and gradients, with no all-gather."""
     if jax.device_count() < 2:
         pytest.skip("needs two GPUs")
     import flashmesh
@@ -212,9 +193,9 @@ def test_gpu_kernels_split_over_two_devices(kind):
         return jnp.sum(out.astype(jnp.float32) * g), out
 
     (_, out_one), grads_one = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    mesh = jax.make_mesh((2, 1), ("data", "model"), axis_types=(getattr(AxisType, kind, AxisType.Auto),) * 2,
+    mesh = jax.make_mesh((2, 1), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2,
                          devices=jax.devices()[:2])
-    with jax.set_mesh(mesh) if kind != "unset" else contextlib.nullcontext():
+    with jax.set_mesh(mesh):
         placed = [jax.device_put(a, NamedSharding(mesh, P("data", None, "model"))) for a in (q, k, v)]
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
         (_, out), grads = step(*placed)
@@ -224,10 +205,10 @@ def test_gpu_kernels_split_over_two_devices(kind):
         assert _rel(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["unset", "Auto", "Explicit"])
+@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
 def test_vmap_of_split_calls(kind):
-    """vmap over a leading axis (several devices visible; no mesh set, or a mesh of Auto or
-    Explicit axes): equal to the calls one by one, and still split: a traced call sees one
+    """vmap over a leading axis under a mesh of Auto or Explicit axes: equal to the calls one
+    by one, and still split: a traced call sees one
     shard's rows and heads (custom_partitioning has no batching rule: the mapped axis folds
     into the batch). With a sink whose gradient is per mapped element the backward runs whole,
     and equals the loop too."""
@@ -250,8 +231,8 @@ def test_vmap_of_split_calls(kind):
         return (out, lse, *grads)
 
     want = [f(q[i], k[i], v[i], d_out[i]) for i in range(2)]
-    mesh = _mesh("Auto" if kind == "unset" else kind)
-    with jax.set_mesh(mesh) if kind != "unset" else contextlib.nullcontext():
+    mesh = _mesh(kind)
+    with jax.set_mesh(mesh):
         placed = [jax.device_put(a, NamedSharding(mesh, P(None, "data", None, "model"))) for a in (q, k, v, d_out)]
         seen.clear()
         got = jax.jit(jax.vmap(f))(*placed)
@@ -263,10 +244,10 @@ def test_vmap_of_split_calls(kind):
 
 def test_interpreted_kernels_run_whole():
     """split=False (the kernels in the interpreter, one device's) runs fn itself, on the arrays
-    given (split=True, several devices visible, traces it inside custom_partitioning)."""
-    assert partition.multi_device() == "unset"
+    given, even under a mesh (split=True there traces it inside custom_partitioning)."""
     for split, direct in ((False, True), (True, False)):
         calls = []
-        partition.run(lambda spec, x: calls.append(not isinstance(x, jax.core.Tracer)) or (x,), "spec",
-                      (jnp.ones((B, T, N, D)),), ("q",), ("q",), split=split)
+        with jax.set_mesh(_mesh("Auto")):
+            partition.run(lambda spec, x: calls.append(not isinstance(x, jax.core.Tracer)) or (x,), "spec",
+                          (jnp.ones((B, T, N, D)),), ("q",), ("q",), split=split)
         assert calls and all(c == direct for c in calls), (split, calls)

@@ -8,9 +8,8 @@ softmax, tile skipping from the band's tile ranges), or for narrow windows (a ba
 256 keys per 64 queries) `pallas_mosaic_gpu_sm90_window.forward_spec` (the band kept in shared
 memory for the group's query heads), as `pallas_mosaic_gpu_table.default_for` configures. Backward: `pallas_mosaic_gpu_sm90_bwd.backward_spec` (a dK/dV kernel over the
 band's query tiles and the group's query heads, and a dQ kernel), under one custom VJP here;
-an lse cotangent enters as delta - d_lse. In a program over several devices (a mesh set, or
-inputs sharded with none set) each kernel call runs on its device's batch rows and heads
-(`pallas_mosaic_gpu_partition`), as cuDNN's does.
+an lse cotangent enters as delta - d_lse. Under a mesh over several devices each kernel call
+runs on its device's batch rows and heads (`pallas_mosaic_gpu_partition`), as cuDNN's does.
 
 Runs: band masks (causal, (left, right) windows, both diagonal alignments), any scale, GQA and
 MQA, Dqk != Dv, any T and S, logits soft cap, off-by-one and learnable sinks, dropout (the
@@ -102,10 +101,8 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
     every packed self-attention call, resting on that memory gap as much as on the time), and
     whatever cuDNN refuses. Passed over: calls of the kinds cuDNN measured faster or about as
     fast on (d128 full, causal, wider windows, MLA where its version runs it), and what has not
-    been checked on a GPU yet: context-parallel steps, programs that may run over several
-    devices (the split over batch and heads: under a mesh, or where several devices are
-    visible with no mesh set, since such a program cannot be told from one device's), and q of
-    2^30 elements or more (only the forward was checked there). device_kind: jax's, for the
+    been checked on a GPU yet: context-parallel steps, programs under a mesh over several
+    devices (the split over batch and heads), and q of 2^30 elements or more (only the forward was checked there). device_kind: jax's, for the
     tiles (default: this machine's)."""
     from flashmesh.attention import cudnn
     from flashmesh.attention import pallas_mosaic_gpu_common as common
@@ -114,9 +111,9 @@ def automatic_reason(spec: AttentionSpec, platform: str, device_kind: str | None
         return ("not yet checked on a GPU inside a context-parallel step (shard_map); name it "
                 "(implementation='pallas_mosaic_gpu') to run it there")
     if partition.multi_device() is not None:
-        return ("several devices (a mesh over them, or visible with no mesh set): the kernels "
-                "split over batch and heads (pallas_mosaic_gpu_partition), which has not yet "
-                "run on GPUs; name it (implementation='pallas_mosaic_gpu') to run it there")
+        return ("a mesh over several devices: the kernels split over batch and heads "
+                "(pallas_mosaic_gpu_partition), which has not yet run on GPUs; name it "
+                "(implementation='pallas_mosaic_gpu') to run it there")
     if spec.q_elements >= cudnn.MAX_Q_ELEMENTS:
         return ("q of 2^30 elements or more: only the forward has been checked on the H200 at "
                 "this size, not yet the backward (cuDNN's dq was wrong there)")

@@ -1,14 +1,15 @@
 """The Mosaic GPU kernels in a program over several devices: split over batch and heads.
 
-XLA's SPMD partitioner cannot split a Pallas call: it runs the whole call on every device. In a
-program over several devices each kernel call (the forward, the backward's kernels) runs on the
-shards of the batch and head axes instead, as cuDNN's call does in JAX: on a mesh of Explicit
-axes by `jax.shard_map` over the axes q's type names; on Auto axes (`jax.set_mesh`, `with mesh:`)
-and where several devices are visible with no mesh set (a program sharded by its inputs or by
-jit's shardings) by `custom_partitioning`, whose rule takes q's batch and head sharding and lays
-every other operand out to match (JAX inlines it where the program runs on one device). JAX
-cannot export (`jax.export`) a program over several devices that holds a custom_partitioning
-(its Python callbacks do not serialise), as for cuDNN's call; one device's program exports.
+XLA's SPMD partitioner cannot split a Pallas call: it runs the whole call on every device. Under
+a mesh set for the program (`jax.set_mesh`, `with mesh:`) each kernel call (the forward, the
+backward's kernels) runs on the shards of the batch and head axes instead, as cuDNN's call does
+in JAX: on a mesh of Explicit axes by `jax.shard_map` over the axes q's type names, on Auto axes
+(shardings chosen by the partitioner) by `custom_partitioning`, whose rule takes q's batch and
+head sharding and lays every other operand out to match. A program sharded with no mesh set
+runs the kernels whole on every device: keying the split on the device count instead would take
+one device's programs on a host with several GPUs off the direct calls and the automatic choice
+(2026-12-07). JAX cannot export (`jax.export`) a program over several devices that holds a
+custom_partitioning (its Python callbacks do not serialise), as for cuDNN's call.
 Under vmap the mapped axis folds into the batch (`_batchable`). Sequence and
 head-dimension shardings are gathered (context parallelism is `flashmesh.parallel`'s). Heads
 split only where the key/value heads split evenly with them (GQA groups stay whole); else only
@@ -110,9 +111,8 @@ def _summed(outs, out_roles, b, h):
 
 def multi_device() -> str | None:
     """'explicit' under a mesh of Explicit axes, 'auto' under a mesh of Auto axes over several
-    devices (`jax.set_mesh`, or a legacy `with mesh:` block), 'unset' with no mesh set where
-    several devices are visible (the program may be sharded by its inputs' or jit's shardings;
-    which, only the partitioner knows), None on one device or inside shard_map."""
+    devices (`jax.set_mesh`, or a legacy `with mesh:` block), None without one or inside
+    shard_map."""
     from jax._src import mesh as mesh_lib
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -123,8 +123,6 @@ def multi_device() -> str | None:
     legacy = mesh_lib.thread_resources.env.physical_mesh
     if (not mesh.empty and mesh.size > 1) or (legacy is not None and legacy.size > 1):
         return "auto"
-    if mesh.empty and (legacy is None or legacy.empty) and jax.device_count() > 1:
-        return "unset"
     return None
 
 
